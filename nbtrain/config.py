@@ -1,0 +1,200 @@
+"""TrainConfig: every knob of a run, validated at construction, YAML in and out."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .hardware import capabilities, resolve_precision
+
+Precision = Literal["auto", "fp32", "tf32", "fp16", "bf16"]
+Task = Literal["causal-lm", "sequence-classification"]
+Method = Literal["full", "lora", "qlora"]
+Scheduler = Literal["constant", "linear", "cosine"]
+NonFinitePolicy = Literal["skip", "stop", "continue"]
+
+
+class ConfigError(ValueError):
+    """A TrainConfig value, or a combination of values, that is not allowed. ``.field`` names it."""
+
+    def __init__(self, message: str, field: str | None = None, errors: list[dict] | None = None):
+        super().__init__(message)
+        self.field = field
+        self.errors = errors or [{"field": field, "message": message}]
+
+
+def _describe(err: dict) -> tuple[str, str]:
+    loc = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)) or "config"
+    msg = err.get("msg", "invalid")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err.get("type") == "extra_forbidden":
+        msg = "is not a TrainConfig field (check the spelling; see TrainConfig.model_fields for the list)"
+    inp = err.get("input")
+    if "got " not in msg and err.get("type") != "extra_forbidden" and not isinstance(inp, dict):
+        msg = f"{msg} (got {inp!r})"
+    return loc, msg
+
+
+class TrainConfig(BaseModel):
+    """Everything a run needs. Bad values fail here, naming the field, the value and what is allowed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    model: str = Field("tiny", description="preset name, Hugging Face model id or local directory")
+    task: Task = "causal-lm"
+    data: str = Field("builtin:python-docs", description="builtin:<name>, a local file/dir, or a dataset id")
+    text_column: str = "text"
+    label_column: str = "label"
+    max_seq_len: int = Field(128, ge=8, le=131072, description="truncation length in tokens")
+    subset: Optional[int] = Field(None, ge=1, description="use only the first N examples")
+    precision: Precision = "auto"
+    micro_batch_size: int = Field(8, ge=1, le=4096)
+    grad_accum_steps: int = Field(1, ge=1, le=4096)
+    method: Method = "full"
+    lora_r: int = Field(8, ge=1, le=4096)
+    lora_alpha: float = Field(16, gt=0)
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    lora_targets: Union[str, list[str]] = "all-linear"
+    quant_bits: int = 4
+    gradient_checkpointing: bool = False
+    lr: float = Field(3e-4, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0)
+    scheduler: Scheduler = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    max_steps: Optional[int] = Field(100, ge=1)
+    epochs: Optional[float] = Field(None, gt=0)
+    max_grad_norm: Optional[float] = Field(1.0, ge=0)
+    packing: bool = False
+    eval_fraction: float = Field(0.05, ge=0, lt=1)
+    eval_every: Optional[int] = Field(None, ge=1)
+    log_every: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0, lt=2**32)
+    output_dir: Optional[str] = None
+    nonfinite: Optional[NonFinitePolicy] = Field(
+        None, description="what a non-finite step does without a GradScaler: skip, stop or continue "
+                          "(default: skip with a scaler, stop without)")
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            errs = [_describe(x) for x in e.errors()]
+            lines = [f"{loc}: {msg}" for loc, msg in errs]
+            first = errs[0][0] if errs else None
+            raise ConfigError("Invalid TrainConfig:\n  " + "\n  ".join(lines), field=first,
+                              errors=[{"field": f, "message": m} for f, m in errs]) from None
+
+    # -- single-field checks -------------------------------------------------------------------
+    @field_validator("model", "data", "text_column", "label_column")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError("must be a non-empty string")
+        return v.strip()
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _targets(cls, v):
+        if isinstance(v, str):
+            if v != "all-linear":
+                raise ValueError(f"must be 'all-linear' or a list of module names, got {v!r}")
+            return v
+        if not v or not all(isinstance(t, str) and t.strip() for t in v):
+            raise ValueError(f"must be 'all-linear' or a non-empty list of module names, got {v!r}")
+        return [t.strip() for t in v]
+
+    @field_validator("quant_bits")
+    @classmethod
+    def _bits(cls, v: int) -> int:
+        if v not in (4, 8):
+            raise ValueError(f"must be 4 (nf4) or 8 (int8) for QLoRA, got {v!r}")
+        return v
+
+    # -- cross-field checks --------------------------------------------------------------------
+    @model_validator(mode="after")
+    def _cross(self) -> "TrainConfig":
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("max_steps/epochs: set at least one (max_steps wins when both are set)")
+        if self.packing and self.task != "causal-lm":
+            raise ValueError("packing: only applies to task='causal-lm'; set packing=False for "
+                             f"task={self.task!r}")
+        caps = capabilities()
+        if self.precision != "auto" and self.precision in caps.reasons:
+            raise ValueError(f"precision: {self.precision!r} cannot run on this {caps.device} "
+                             f"({caps.name}): {caps.reasons[self.precision]}")
+        if self.method in caps.reasons:
+            raise ValueError(f"method: {self.method!r} cannot run here: {caps.reasons[self.method]}")
+        if self.method in ("lora", "qlora") and isinstance(self.lora_targets, list):
+            from .models import known_module_names  # lazy: only for explicit target lists
+
+            names = known_module_names(self.model, self.task)
+            if names is not None:
+                unknown = [t for t in self.lora_targets if t not in names]
+                if unknown:
+                    raise ValueError(f"lora_targets: {unknown} not found in model {self.model!r}; "
+                                     f"it has {sorted(names)} (or use 'all-linear')")
+        return self
+
+    # -- conveniences --------------------------------------------------------------------------
+    @property
+    def effective_batch_size(self) -> int:
+        """Examples per optimizer step: micro_batch_size x grad_accum_steps."""
+        return self.micro_batch_size * self.grad_accum_steps
+
+    def resolved_precision(self) -> str:
+        """The concrete precision this config runs with on this device ("auto" resolved)."""
+        return resolve_precision(self.precision)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A validated copy with ``changes`` applied."""
+        return type(self)(**{**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field, in declaration order."""
+        return self.model_dump()
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """The config as YAML text; also written to ``path`` when given."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "TrainConfig":
+        """Load a config written by ``to_yaml`` (or by hand). Errors name the file."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping of TrainConfig fields, got {type(data).__name__}")
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}", field=e.field, errors=e.errors) from None
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self.to_dict().items() if v != type(self).model_fields[k].default}
+        return "TrainConfig(" + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + ")"
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse one ``key=value`` from the command line; the value is read as YAML (numbers, null, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key not in TrainConfig.model_fields:
+        raise ConfigError(f"--set {key}: not a TrainConfig field", field=key)
+    value = yaml.safe_load(raw) if raw.strip() else None
+    return key, value

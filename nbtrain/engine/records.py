@@ -1,0 +1,71 @@
+"""StepRecord, the one payload of a run, and the small records around it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step. Field order is part of the public contract (see docs/architecture.md)."""
+
+    step: int
+    epoch: float
+    micro_steps: int
+    tokens: int
+    loss: float
+    lr: float
+    grad_norm: float
+    clipped: bool
+    scale: Optional[float]
+    skipped: bool
+    nonfinite: bool
+    vram_allocated_gib: Optional[float]
+    vram_reserved_gib: Optional[float]
+    vram_peak_gib: Optional[float]
+    host_rss_gib: float
+    step_time_s: float
+    tokens_per_s: float
+    elapsed_s: float
+    variant: Optional[str] = None  # set by compare(): which variant produced this record
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepRecord) if f.name != "variant")
+
+
+@dataclass
+class EvalRecord:
+    """An evaluation on the held-out split, after optimizer step ``step``."""
+
+    step: int
+    eval_loss: float
+    eval_tokens: int
+    eval_accuracy: Optional[float] = None   # sequence classification only
+    eval_perplexity: Optional[float] = None  # causal LM only
+    variant: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RunInfo:
+    """What ``on_run_start`` receives: enough to label and size a live view before step 1."""
+
+    config: Any
+    precision_used: str
+    device: str
+    device_name: str
+    device_total_gib: float
+    scaler_enabled: bool
+    total_steps: int
+    train_examples: int
+    eval_examples: int
+    trainable_params: int
+    total_params: int
+    max_grad_norm: Optional[float]
+    variant: Optional[str] = None

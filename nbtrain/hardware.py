@@ -1,0 +1,161 @@
+"""What this device can run, and why not: ``capabilities()``."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import platform
+from dataclasses import dataclass, field
+
+import torch
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+METHODS = ("full", "lora", "qlora")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the current device supports, with a reason for everything it does not."""
+
+    device: str                      # "cuda" or "cpu"
+    name: str                        # GPU name or CPU model
+    total_memory_gib: float          # device memory (host RAM on CPU)
+    bf16_supported: bool
+    bf16_native: bool                # fast (hardware) bf16, used by precision="auto"
+    fp16_supported: bool
+    fp16_fast: bool
+    tf32_supported: bool
+    bitsandbytes: bool
+    allowed_precisions: tuple[str, ...]
+    allowed_methods: tuple[str, ...]
+    reasons: dict[str, str] = field(default_factory=dict)   # option -> why it is not allowed
+    notes: dict[str, str] = field(default_factory=dict)     # option -> caveat (allowed but slow, ...)
+    compute_capability: tuple[int, int] | None = None
+
+    @property
+    def auto_precision(self) -> str:
+        """What ``precision="auto"`` resolves to here."""
+        if self.bf16_supported and (self.device == "cuda" or self.bf16_native):
+            return "bf16"
+        if self.device == "cuda" and self.fp16_supported:
+            return "fp16"
+        return "fp32"
+
+    def why_not(self, option: str) -> str | None:
+        """The reason an option (a precision or method name) cannot run here, or None."""
+        return self.reasons.get(option)
+
+    def _repr_html_(self) -> str:  # a small table in notebooks
+        rows = "".join(
+            f"<tr><td>{o}</td><td>{'yes' if o in self.allowed_precisions + self.allowed_methods else 'no'}"
+            f"</td><td>{self.reasons.get(o) or self.notes.get(o, '')}</td></tr>"
+            for o in PRECISIONS + METHODS
+        )
+        return (f"<b>{self.device}</b>: {self.name}, {self.total_memory_gib:.1f} GiB, auto → "
+                f"{self.auto_precision}<table>{rows}</table>")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _bitsandbytes_status(device: str) -> tuple[bool, str | None]:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return False, "bitsandbytes is not installed (pip install bitsandbytes)"
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as e:  # a broken native library raises all sorts of errors
+        return False, f"bitsandbytes does not load here: {type(e).__name__}: {e}"
+    return True, None
+
+
+def _host_memory_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().total / 2**30
+
+
+@functools.lru_cache(maxsize=None)
+def _capabilities(device: str) -> Capabilities:
+    reasons: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    cc = None
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        cc = (props.major, props.minor)
+        name = props.name
+        total = props.total_memory / 2**30
+        bf16 = bool(torch.cuda.is_bf16_supported())
+        bf16_native = bf16 and cc >= (8, 0)
+        fp16 = True
+        fp16_fast = cc >= (7, 0)
+        tf32 = cc >= (8, 0)
+        if not bf16:
+            reasons["bf16"] = f"{name} (compute capability {cc[0]}.{cc[1]}) has no bf16 support; use fp16"
+        elif not bf16_native:
+            notes["bf16"] = "emulated on this GPU (slow); fp16 with the GradScaler is faster"
+        if not tf32:
+            reasons["tf32"] = (f"tf32 needs an Ampere or newer GPU (compute capability 8.0+), this is "
+                               f"{cc[0]}.{cc[1]}; use fp32 or fp16")
+        if not fp16_fast:
+            notes["fp16"] = "no tensor cores on this GPU: fp16 saves memory but not time"
+    else:
+        name = _cpu_name()
+        total = _host_memory_gib()
+        flags = _cpu_flags()
+        bf16 = True  # torch's CPU autocast runs bf16 everywhere; only its speed depends on the CPU
+        bf16_native = bool(flags & {"avx512_bf16", "amx_bf16"}) or platform.machine() in ("arm64", "aarch64")
+        fp16 = True
+        fp16_fast = bool(flags & {"amx_fp16"})
+        tf32 = False
+        reasons["tf32"] = "tf32 is a tensor-core format of NVIDIA GPUs (Ampere+); on a CPU use fp32 or bf16"
+        if not bf16_native:
+            notes["bf16"] = "this CPU has no bf16 instructions: bf16 works but is slower than fp32"
+        if not fp16_fast:
+            notes["fp16"] = ("this CPU has no fp16 hardware: fp16 autocast works but is ~10x slower "
+                             "than fp32; use it to study the GradScaler, not for speed")
+    bnb_ok, bnb_why = _bitsandbytes_status(device)
+    if not bnb_ok:
+        reasons["qlora"] = f"{bnb_why}; use method='lora' instead"
+    allowed_p = tuple(p for p in PRECISIONS if p not in reasons)
+    allowed_m = tuple(m for m in METHODS if m not in reasons)
+    return Capabilities(
+        device=device, name=name, total_memory_gib=round(total, 2), bf16_supported=bf16,
+        bf16_native=bf16_native, fp16_supported=fp16, fp16_fast=fp16_fast, tf32_supported=tf32,
+        bitsandbytes=bnb_ok, allowed_precisions=allowed_p, allowed_methods=allowed_m,
+        reasons=reasons, notes=notes, compute_capability=cc,
+    )
+
+
+def default_device() -> str:
+    """The device nbtrain trains on: the first CUDA GPU when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def capabilities(device: str | None = None) -> Capabilities:
+    """What ``device`` (default: the one nbtrain would use) can run, and the reason for what it cannot."""
+    return _capabilities(device or default_device())
+
+
+def resolve_precision(precision: str, caps: Capabilities | None = None) -> str:
+    """Turn ``"auto"`` into a concrete precision name for this device; other names pass through."""
+    caps = caps or capabilities()
+    return caps.auto_precision if precision == "auto" else precision
