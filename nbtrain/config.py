@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -28,10 +29,14 @@ class ConfigError(ValueError):
 
 
 def _describe(err: dict) -> tuple[str, str]:
-    loc = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)) or "config"
+    loc = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int))
     msg = err.get("msg", "invalid")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    if not loc:  # a cross-field check: its message starts with the field(s) it is about
+        head, sep, rest = msg.partition(": ")
+        loc, msg = (head, rest) if sep and re.fullmatch(r"[a-z_/]+", head) else ("config", msg)
+        return loc.split("/")[0], msg
     if err.get("type") == "extra_forbidden":
         msg = "is not a TrainConfig field (check the spelling; see TrainConfig.model_fields for the list)"
     inp = err.get("input")

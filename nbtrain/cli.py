@@ -1,0 +1,157 @@
+"""The ``nbtrain`` command: train, compare, estimate and demo, for scripts, CI and terminals."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from .config import ConfigError, TrainConfig, parse_override
+
+
+class ProgressBar:
+    """A tqdm bar with loss and tokens/s; ``log_every`` thins the postfix updates, never the records."""
+
+    def __init__(self, log_every: int = 1, desc: str = "train"):
+        self.log_every = log_every
+        self.desc = desc
+        self.bar = None
+
+    def on_run_start(self, info):
+        from tqdm.auto import tqdm
+
+        label = self.desc if info.variant is None else f"{self.desc} {info.variant}"
+        self.bar = tqdm(total=info.total_steps, desc=f"{label} [{info.precision_used}]", unit="step",
+                        file=sys.stderr, dynamic_ncols=True)
+
+    def on_step_end(self, rec):
+        self.bar.update(1)
+        if rec.step % self.log_every == 0:
+            flags = " SKIPPED" if rec.skipped else (" NONFINITE" if rec.nonfinite else "")
+            self.bar.set_postfix_str(f"loss={rec.loss:.4f} tok/s={rec.tokens_per_s:,.0f}{flags}")
+
+    def on_eval(self, rec):
+        self.bar.write(f"step {rec.step}: eval_loss={rec.eval_loss:.4f}")
+
+    def on_run_end(self, result):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _load_config(path: str, sets: Sequence[str]) -> TrainConfig:
+    cfg = TrainConfig.from_yaml(path)
+    if sets:
+        cfg = cfg.replace(**dict(parse_override(s) for s in sets))
+    return cfg
+
+
+def _print_summary(summary: dict) -> None:
+    keys = ["steps", "final_loss", "eval_loss", "tokens_per_s", "peak_vram_gib", "skipped_steps",
+            "nonfinite_steps", "wall_s", "stopped_reason", "precision_used", "device"]
+    for k in keys:
+        v = summary.get(k)
+        print(f"  {k:<16} {v:.4f}" if isinstance(v, float) else f"  {k:<16} {v}")
+
+
+def cmd_train(args) -> int:
+    from .engine import train
+
+    cfg = _load_config(args.config, args.set)
+    if args.output_dir:
+        cfg = cfg.replace(output_dir=args.output_dir)
+    elif cfg.output_dir is None:
+        cfg = cfg.replace(output_dir="runs/latest")
+    result = train(cfg, callbacks=[ProgressBar(cfg.log_every)])
+    print(f"wrote {cfg.output_dir}/ (config.yaml, history.csv, summary.json)")
+    _print_summary(result.summary)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .compare import compare
+
+    cfg = _load_config(args.config, args.set)
+    precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+    cmp = compare(cfg, precisions=precisions, subset=args.subset, max_steps=args.max_steps,
+                  repeats=args.repeats, callbacks=[ProgressBar(cfg.log_every, desc="compare")])
+    print(cmp.format_table())
+    if args.html:
+        cmp.to_html(args.html)
+        print(f"wrote {args.html}")
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from .memory import estimate_memory, format_estimate
+
+    cfg = _load_config(args.config, args.set)
+    print(format_estimate(estimate_memory(cfg)))
+    return 0
+
+
+def demo_config() -> TrainConfig:
+    """The embedded default the demo runs: the tiny preset on the builtin Python docs."""
+    return TrainConfig(model="tiny", data="builtin:python-docs", max_seq_len=64, micro_batch_size=8,
+                       max_steps=30, subset=600, eval_fraction=0.05, precision="fp32", lr=1e-3, warmup_steps=3)
+
+
+def cmd_demo(args) -> int:
+    from .compare import compare
+
+    cfg = demo_config()
+    if args.max_steps:
+        cfg = cfg.replace(max_steps=args.max_steps)
+    print("nbtrain demo: the tiny model on the builtin Python docs, fp32 vs bf16 vs fp16, same init and batches")
+    cmp = compare(cfg, precisions=("fp32", "bf16", "fp16"), callbacks=[ProgressBar(desc="demo")])
+    print(cmp.format_table())
+    cmp.to_html(args.html)
+    print(f"wrote {args.html}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nbtrain", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp):
+        sp.add_argument("config", help="a TrainConfig YAML file")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field (repeatable), e.g. --set precision=bf16")
+
+    t = sub.add_parser("train", help="train one config")
+    with_config(t)
+    t.add_argument("--output-dir", default=None, help="where to write config.yaml, history.csv, summary.json")
+    t.set_defaults(fn=cmd_train)
+
+    c = sub.add_parser("compare", help="train once per precision and print a side-by-side table")
+    with_config(c)
+    c.add_argument("--precisions", default="fp32,fp16,bf16")
+    c.add_argument("--subset", type=int, default=None)
+    c.add_argument("--max-steps", type=int, default=None)
+    c.add_argument("--repeats", type=int, default=1)
+    c.add_argument("--html", default=None, help="write a self-contained HTML report here")
+    c.set_defaults(fn=cmd_compare)
+
+    e = sub.add_parser("estimate", help="estimate the memory a config needs, with advice when it does not fit")
+    with_config(e)
+    e.set_defaults(fn=cmd_estimate)
+
+    d = sub.add_parser("demo", help="compare fp32, bf16 and fp16 on the embedded default")
+    d.add_argument("--html", default="demo-report.html")
+    d.add_argument("--max-steps", type=int, default=None)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``nbtrain`` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"nbtrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""The loop, its records and callbacks, and train()/start()."""
+
+from .callbacks import Callback, CallbackError, StopTraining
+from .loop import Run, TrainResult, evaluate, loss_sum, start, train, weights_hash
+from .precision import PRECISION_TABLE, PrecisionSpec
+from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
+
+__all__ = ["Callback", "CallbackError", "StopTraining", "Run", "TrainResult", "evaluate", "loss_sum", "start",
+           "train", "weights_hash", "PRECISION_TABLE", "PrecisionSpec", "STEP_FIELDS", "EvalRecord", "RunInfo",
+           "StepRecord"]

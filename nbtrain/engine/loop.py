@@ -1,0 +1,415 @@
+"""The training loop: one function, top to bottom (DESIGN rule 3), plus train() and start()."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from ..config import TrainConfig
+from ..hardware import capabilities, default_device
+from .callbacks import CallbackList, StopTraining
+from .precision import PRECISION_TABLE, autocast, global_torch_state, make_scaler
+from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
+from .telemetry import device_memory_gib, host_rss_gib, reset_peak
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Result types
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    """What a run leaves: its history (one row per optimizer step), summary, model and tokenizer."""
+
+    history: pd.DataFrame
+    eval_history: pd.DataFrame
+    summary: dict[str, Any]
+    model: Any
+    tokenizer: Any
+    config: TrainConfig
+    info: Optional[RunInfo] = None
+    records: list[StepRecord] = field(default_factory=list, repr=False)
+
+    def figure(self):
+        """Loss, grad norm, loss scale and memory of this run as a plotly Figure."""
+        from ..viz.figures import run_figure  # drawing lives in viz/, imported only when asked
+
+        return run_figure(self.history, self.eval_history, self.info)
+
+    def save(self, path, merged: bool = False) -> Path:
+        """Write what a user would share: adapter (or full model), tokenizer and nbtrain.yaml."""
+        from ..models import save_model
+
+        return save_model(self.model, self.tokenizer, self.config, path, merged=merged)
+
+    def __repr__(self) -> str:
+        s = self.summary
+        return (f"TrainResult(steps={s.get('steps')}, final_loss={s.get('final_loss')}, "
+                f"precision={s.get('precision_used')}, stopped_reason={s.get('stopped_reason')!r})")
+
+
+def _frame(rows: list, columns: tuple[str, ...] | list[str]) -> pd.DataFrame:
+    return pd.DataFrame([r.to_dict() for r in rows], columns=list(columns))
+
+
+_EVAL_FIELDS = ("step", "eval_loss", "eval_tokens", "eval_accuracy", "eval_perplexity")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pieces the loop calls
+# ---------------------------------------------------------------------------------------------------------------
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Sum (not mean) of the per-target losses in fp32, so a step can divide by its own token count."""
+    if task == "causal-lm":
+        logits = logits[:, :-1, :]
+        labels = labels[:, 1:]
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def make_scheduler(optimizer, name: str, warmup: int, total: int):
+    """Linear warm-up, then constant, linear or cosine decay to zero at ``total`` real steps."""
+    def factor(done: int) -> float:
+        if warmup and done < warmup:
+            return (done + 1) / (warmup + 1)
+        if name == "constant":
+            return 1.0
+        progress = min(1.0, (done - warmup) / max(1, total - warmup))
+        if name == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _grad_norm(params: list[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
+    """Total L2 norm of the (already unscaled) gradients; clips in place when max_norm is set."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if max_norm:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.nn.utils.clip_grad_norm_(params, float("inf"))
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """A short hash of every parameter and buffer, to prove two runs started from the same weights."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(list(model.state_dict().items()), key=lambda kv: kv[0]):
+        if not isinstance(t, torch.Tensor):
+            continue
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[dict], task: str, pad_token_id: int, batch_size: int,
+             spec, device: str) -> dict[str, float]:
+    """Mean loss per target token (and accuracy for classification) on ``examples``."""
+    from ..data import iter_steps
+
+    if not examples:
+        return {}
+    was_training = model.training
+    model.eval()
+    total_loss = torch.zeros((), device=device, dtype=torch.float64)
+    total_targets = 0
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    n_batches = math.ceil(len(examples) / batch_size)
+    # iter_steps with accum 1 gives micro-batches; order is irrelevant for a mean.
+    it = iter_steps(examples, batch_size, 1, 0, pad_token_id, task)
+    try:
+        for _ in range(n_batches):
+            _, (mb,) = next(it)
+            mb = mb.to(device)
+            with autocast(spec, device):
+                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            total_loss += loss_sum(logits, mb.labels, task).double()
+            total_targets += mb.n_targets
+            if task != "causal-lm":
+                correct += (logits.argmax(-1) == mb.labels).sum()
+    finally:
+        model.train(was_training)
+    out = {"eval_loss": total_loss.item() / max(1, total_targets), "eval_tokens": total_targets}
+    if task == "causal-lm":
+        out["eval_perplexity"] = math.exp(min(out["eval_loss"], 50.0))
+    else:
+        out["eval_accuracy"] = correct.item() / max(1, total_targets)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------------
+def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event] = None,
+         variant: Optional[str] = None, hash_init: bool = False) -> TrainResult:
+    from ..data import load_data, iter_steps, steps_per_epoch
+    from ..models import build_model, count_params, load_tokenizer
+
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"train() takes a TrainConfig, got {type(cfg).__name__}")
+    cbs = CallbackList(callbacks)
+    stop_event = stop_event or threading.Event()
+    device = default_device()
+    caps = capabilities(device)
+    precision = cfg.resolved_precision()
+    spec = PRECISION_TABLE[precision]
+    policy = cfg.nonfinite or ("skip" if spec.scaler else "stop")
+
+    with global_torch_state(spec):
+        # Data first (fails fast on bad input), then the model from a fresh seed so the initial weights do
+        # not depend on how much randomness data loading used.
+        torch.manual_seed(cfg.seed)
+        tokenizer = load_tokenizer(cfg)
+        data = load_data(cfg, tokenizer)
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, tokenizer, data.num_labels, precision, device)
+        init_hash = weights_hash(model) if hash_init else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        trainable, total_params = count_params(model)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                      fused=(device == "cuda"))
+        spe = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
+        total_steps = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * spe))
+        scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.warmup_steps, total_steps)
+        scaler = make_scaler(spec, device)   # disabled (a no-op) unless the precision needs loss scaling
+        prev_scale = scaler.get_scale() if spec.scaler else None
+
+        info = RunInfo(config=cfg, precision_used=precision, device=device, device_name=caps.name,
+                       device_total_gib=caps.total_memory_gib, scaler_enabled=spec.scaler,
+                       total_steps=total_steps, train_examples=len(data.train), eval_examples=len(data.eval),
+                       trainable_params=trainable, total_params=total_params,
+                       max_grad_norm=cfg.max_grad_norm, variant=variant)
+        records: list[StepRecord] = []
+        evals: list[EvalRecord] = []
+        data_hash = hashlib.blake2b(digest_size=8)
+        stopped_reason = "max_steps" if cfg.max_steps is not None else "epochs"
+        first_nonfinite: Optional[int] = None
+        eval_bs = cfg.micro_batch_size
+
+        def run_eval(step: int) -> None:
+            res = evaluate(model, data.eval, data.task, data.pad_token_id, eval_bs, spec, device)
+            if res:
+                rec = EvalRecord(step=step, variant=variant, **res)
+                evals.append(rec)
+                cbs.fire("on_eval", rec)
+
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        reset_peak(device)
+        stop_requested = False
+        try:
+            cbs.fire("on_run_start", info)
+        except StopTraining:
+            stop_requested = True
+        t_start = t_prev = time.perf_counter()
+        batches = iter_steps(data.train, cfg.micro_batch_size, cfg.grad_accum_steps, cfg.seed,
+                             data.pad_token_id, data.task)
+        step = 0
+        try:
+            while step < total_steps and not stop_requested:
+                if stop_event.is_set():
+                    stopped_reason = "stopped"
+                    break
+                step += 1
+                epoch, micro = next(batches)
+                # The step's loss is normalised by ALL its target tokens (rule 4): count them up front, on the
+                # host, from the collated batches, so no micro-batch needs a device read.
+                n_targets = sum(mb.n_targets for mb in micro)
+                n_tokens = sum(mb.n_tokens for mb in micro)
+                loss_acc = torch.zeros((), device=device)
+                for mb in micro:
+                    data_hash.update(mb.input_ids.numpy().tobytes())
+                    mb = mb.to(device, non_blocking=True)
+                    with autocast(spec, device):
+                        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                    loss = loss_sum(logits, mb.labels, data.task) / n_targets
+                    scaler.scale(loss).backward()       # identity when the scaler is disabled
+                    loss_acc += loss.detach()
+                    del logits, loss
+                # Last micro-batch done: bring gradients back to their true scale before measuring them.
+                scaler.unscale_(optimizer)
+                norm = _grad_norm(params, cfg.max_grad_norm)
+                lr = optimizer.param_groups[0]["lr"]
+                # SYNC POINT (one per step): loss and grad norm to the host. A GradScaler step reads found_inf
+                # anyway, and without a scaler we must know finiteness before stepping.
+                loss_v, norm_v = torch.stack([loss_acc.float(), norm.float().to(loss_acc.device)]).tolist()
+                nonfinite = not (math.isfinite(loss_v) and math.isfinite(norm_v))
+                if nonfinite and first_nonfinite is None:
+                    first_nonfinite = step
+                if spec.scaler:
+                    scaler.step(optimizer)               # skips internally when the gradients hold inf/nan
+                    scaler.update()
+                    scale = scaler.get_scale()
+                    skipped = scale < prev_scale         # the scale only drops when the step was skipped
+                    prev_scale = scale
+                else:
+                    scale = None
+                    skipped = nonfinite and policy != "continue"
+                    if not skipped:
+                        optimizer.step()
+                if not skipped:
+                    scheduler.step()                     # real steps only: a skipped step does not advance the lr
+                optimizer.zero_grad(set_to_none=True)
+
+                now = time.perf_counter()
+                alloc, reserved, peak = device_memory_gib(device)
+                reset_peak(device)
+                dt = now - t_prev
+                t_prev = now
+                rec = StepRecord(
+                    step=step, epoch=epoch, micro_steps=len(micro), tokens=n_targets, loss=loss_v, lr=lr,
+                    grad_norm=norm_v,
+                    clipped=bool(cfg.max_grad_norm) and not nonfinite and norm_v > cfg.max_grad_norm,
+                    scale=scale, skipped=bool(skipped), nonfinite=nonfinite,
+                    vram_allocated_gib=alloc, vram_reserved_gib=reserved, vram_peak_gib=peak,
+                    host_rss_gib=host_rss_gib(), step_time_s=dt, tokens_per_s=n_tokens / dt if dt > 0 else 0.0,
+                    elapsed_s=now - t_start, variant=variant,
+                )
+                records.append(rec)
+                try:
+                    cbs.fire("on_step_end", rec)
+                    if nonfinite and policy == "stop":
+                        stopped_reason = "nonfinite"
+                        break
+                    if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                        run_eval(step)
+                except StopTraining:
+                    stopped_reason = "stopped"
+                    break
+        except KeyboardInterrupt:
+            stopped_reason = "interrupted"
+        except (torch.OutOfMemoryError, MemoryError):
+            stopped_reason = "out_of_memory"
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        finally:
+            # Whatever ended the run, leave the model usable: no half-accumulated gradients.
+            optimizer.zero_grad(set_to_none=True)
+        wall = time.perf_counter() - t_start
+        if stopped_reason not in ("interrupted", "out_of_memory") and data.eval:
+            try:
+                run_eval(step)
+            except StopTraining:
+                pass
+
+        summary = _summary(records, evals, stopped_reason, precision, device, wall, trainable, total_params,
+                           first_nonfinite)
+        summary["data_hash"] = data_hash.hexdigest()
+        summary["init_hash"] = init_hash
+        if variant is not None:
+            summary["variant"] = variant
+        result = TrainResult(history=_frame(records, STEP_FIELDS), eval_history=_frame(evals, _EVAL_FIELDS),
+                             summary=summary, model=model, tokenizer=tokenizer, config=cfg, info=info,
+                             records=records)
+        if cfg.output_dir:
+            write_outputs(result, cfg.output_dir)
+        try:
+            cbs.fire("on_run_end", result)
+        except StopTraining:
+            pass
+        return result
+
+
+def _summary(records, evals, stopped_reason, precision, device, wall, trainable, total_params, first_nonfinite):
+    peaks = [r.vram_peak_gib for r in records if r.vram_peak_gib is not None]
+    n_in_tokens = sum(r.tokens_per_s * r.step_time_s for r in records)
+    s: dict[str, Any] = {
+        "steps": len(records),
+        "tokens": int(sum(r.tokens for r in records)),
+        "tokens_per_s": n_in_tokens / wall if wall > 0 else 0.0,
+        "peak_vram_gib": max(peaks) if peaks else None,
+        "peak_host_rss_gib": max((r.host_rss_gib for r in records), default=host_rss_gib()),
+        "final_loss": records[-1].loss if records else None,
+        "eval_loss": evals[-1].eval_loss if evals else None,
+        "skipped_steps": sum(r.skipped for r in records),
+        "nonfinite_steps": sum(r.nonfinite for r in records),
+        "first_nonfinite_step": first_nonfinite,
+        "wall_s": wall,
+        "stopped_reason": stopped_reason,
+        "precision_used": precision,
+        "device": device,
+        "trainable_params": trainable,
+        "total_params": total_params,
+    }
+    if evals and evals[-1].eval_accuracy is not None:
+        s["eval_accuracy"] = evals[-1].eval_accuracy
+    if evals and evals[-1].eval_perplexity is not None:
+        s["eval_perplexity"] = evals[-1].eval_perplexity
+    return s
+
+
+def write_outputs(result: TrainResult, output_dir) -> Path:
+    """Write config.yaml, history.csv, eval_history.csv and summary.json under ``output_dir``."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result.config.to_yaml(out / "config.yaml")
+    result.history.to_csv(out / "history.csv", index=False)
+    result.eval_history.to_csv(out / "eval_history.csv", index=False)
+    (out / "summary.json").write_text(json.dumps(result.summary, indent=2, default=str))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig, callbacks=None) -> TrainResult:
+    """Train in this thread until done; Ctrl-C stops cleanly and still returns the result."""
+    return _run(cfg, callbacks)
+
+
+class Run:
+    """A run in a background thread: ``stop()``, ``wait()`` and ``done``."""
+
+    def __init__(self, cfg: TrainConfig, callbacks=None, **kwargs):
+        self.config = cfg
+        self._stop = threading.Event()
+        self.result: Optional[TrainResult] = None
+        self.error: Optional[BaseException] = None
+
+        def target():
+            try:
+                self.result = _run(cfg, callbacks, stop_event=self._stop, **kwargs)
+            except BaseException as e:  # handed to wait(), never lost in the thread
+                self.error = e
+
+        self._thread = threading.Thread(target=target, name="nbtrain-run", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the run to end after the current step; history and model are kept."""
+        self._stop.set()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[TrainResult]:
+        """Block until the run ends and return its result (re-raises an error from the run)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return None
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def __repr__(self) -> str:
+        return f"Run(done={self.done}, stopped={self._stop.is_set()})"
+
+
+def start(cfg: TrainConfig, callbacks=None) -> Run:
+    """Train in a background thread so the notebook stays responsive; returns a ``Run``."""
+    return Run(cfg, callbacks)
