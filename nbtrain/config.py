@@ -124,9 +124,9 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _cross(self) -> "TrainConfig":
         if self.max_steps is None and self.epochs is None:
-            raise ValueError("max_steps/epochs: set at least one (max_steps wins when both are set)")
+            raise ValueError("max_steps/epochs: both are None; set at least one (max_steps wins when both are set)")
         if self.packing and self.task != "causal-lm":
-            raise ValueError("packing: only applies to task='causal-lm'; set packing=False for "
+            raise ValueError("packing: True only applies to task='causal-lm'; set packing=False for "
                              f"task={self.task!r}")
         caps = capabilities()
         if self.precision != "auto" and self.precision in caps.reasons:
@@ -202,4 +202,6 @@ def parse_override(text: str) -> tuple[str, Any]:
     if key not in TrainConfig.model_fields:
         raise ConfigError(f"--set {key}: not a TrainConfig field", field=key)
     value = yaml.safe_load(raw) if raw.strip() else None
+    if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
+        value = float(value)  # YAML 1.1 reads "1e-4" as a string
     return key, value

@@ -192,7 +192,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                        device_total_gib=caps.total_memory_gib, scaler_enabled=spec.scaler,
                        total_steps=total_steps, train_examples=len(data.train), eval_examples=len(data.eval),
                        trainable_params=trainable, total_params=total_params,
-                       max_grad_norm=cfg.max_grad_norm, variant=variant)
+                       max_grad_norm=cfg.max_grad_norm, variant=variant, model=model)
         records: list[StepRecord] = []
         evals: list[EvalRecord] = []
         data_hash = hashlib.blake2b(digest_size=8)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 
@@ -69,3 +69,4 @@ class RunInfo:
     total_params: int
     max_grad_norm: Optional[float]
     variant: Optional[str] = None
+    model: Any = field(default=None, repr=False, compare=False)  # to observe (e.g. snapshot weights), never to change

@@ -1,0 +1,120 @@
+"""nbtrain's loop vs a bare torch.amp loop on the same tiny model and the same batches (CPU).
+
+Interleaved: each repeat runs the bare loop then nbtrain, so drift in the machine hits both. The figure is
+the ratio of median per-step throughput after warm-up; target >= 0.97x.
+
+    python benchmarks/overhead.py [--steps 40] [--repeats 3] [--precisions fp32,bf16] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import nbtrain as nbt
+from nbtrain.data import iter_steps, load_data
+from nbtrain.engine.precision import PRECISION_TABLE
+from nbtrain.models import build_model, load_tokenizer
+
+WARMUP = 5
+
+
+def bench_config(precision: str, steps: int) -> nbt.TrainConfig:
+    return nbt.TrainConfig(model="tiny", data="builtin:python-docs", max_seq_len=128, micro_batch_size=8,
+                           grad_accum_steps=1, max_steps=steps, precision=precision, eval_fraction=0.0,
+                           subset=2000, lr=3e-4)
+
+
+def bare_loop(cfg: nbt.TrainConfig, steps: int) -> list[float]:
+    """The loop a person would write by hand with torch.amp; returns per-step tokens/s."""
+    spec = PRECISION_TABLE[cfg.resolved_precision()]
+    tok = load_tokenizer(cfg)
+    data = load_data(cfg, tok)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, tok, None, spec.name, "cpu")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    scaler = torch.amp.GradScaler("cpu", enabled=spec.scaler)
+    batches = iter_steps(data.train, cfg.micro_batch_size, 1, cfg.seed, data.pad_token_id, data.task)
+    out = []
+    t_prev = time.perf_counter()
+    for _ in range(steps):
+        _, (mb,) = next(batches)
+        with torch.autocast("cpu", dtype=spec.autocast_dtype or torch.float32,
+                            enabled=spec.autocast_dtype is not None):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                               mb.labels[:, 1:].reshape(-1), ignore_index=-100)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        now = time.perf_counter()
+        out.append(mb.n_tokens / (now - t_prev))
+        t_prev = now
+    return out
+
+
+def nbtrain_loop(cfg: nbt.TrainConfig, callbacks=None) -> list[float]:
+    r = nbt.train(cfg, callbacks=callbacks)
+    return list(r.history["tokens_per_s"])
+
+
+def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=None) -> dict:
+    """Measure every precision, interleaved; ``extra`` maps a name to callbacks for more nbtrain rows."""
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = []
+    for p in precisions:
+        cfg = bench_config(p, steps)
+        samples: dict[str, list[float]] = {"bare": [], "nbtrain": []}
+        for name in (extra or {}):
+            samples[name] = []
+        for _ in range(repeats):
+            samples["bare"].append(statistics.median(bare_loop(cfg, steps)[WARMUP:]))
+            samples["nbtrain"].append(statistics.median(nbtrain_loop(cfg)[WARMUP:]))
+            for name, make_cbs in (extra or {}).items():
+                samples[name].append(statistics.median(nbtrain_loop(cfg, make_cbs())[WARMUP:]))
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        row = {"precision": p, **{f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()},
+               "ratio_nbtrain_vs_bare": round(med["nbtrain"] / med["bare"], 4)}
+        for name in (extra or {}):
+            row[f"ratio_{name}_vs_nbtrain"] = round(med[name] / med["nbtrain"], 4)
+        rows.append(row)
+    return {
+        "date": dt.date.today().isoformat(), "device": "cpu", "cpu": nbt.capabilities("cpu").name,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+        "steps": steps, "repeats": repeats, "warmup_steps_excluded": WARMUP, "rows": rows,
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    res = run(args.steps, args.repeats, tuple(args.precisions.split(",")))
+    for r in res["rows"]:
+        print(f"{r['precision']}: bare {r['bare_tokens_per_s']:,.0f} tok/s, nbtrain "
+              f"{r['nbtrain_tokens_per_s']:,.0f} tok/s, ratio {r['ratio_nbtrain_vs_bare']:.3f} (target >= 0.97)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "overhead_cpu.json").write_text(json.dumps(res, indent=2))
+        print(f"wrote {out / 'overhead_cpu.json'}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

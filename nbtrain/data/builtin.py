@@ -1,0 +1,163 @@
+"""Builtin corpora that need no network: the Python reference text shipped with CPython.
+
+Both are made from ``pydoc_data.topics.topics`` (the text behind ``help("for")``), a dict from a
+topic key such as ``"assignment"`` to a few pages of plain-text reference documentation.
+
+``builtin:python-docs`` (causal LM)
+    The topics in sorted key order, each cut into paragraphs at blank lines. reST heading
+    underlines (``*****``, ``=====``) are removed, whitespace inside a paragraph is collapsed to
+    single spaces, paragraphs shorter than 40 characters (headings, stray lines) are dropped, and a
+    paragraph that appears under several topics (``"if"`` repeats part of ``"compound"``) is kept
+    once, where it first appears. About 1,500 paragraphs on Python 3.11; the same list every time.
+
+``builtin:python-docs-topics`` (sequence classification, columns ``text`` and ``label``)
+    The same paragraphs, each labelled with the group of the topic key it came from:
+
+    * 0 ``statements``: simple and compound statements and the execution model
+      (``assignment``, ``import``, ``compound``, ``try``, ``execmodel``, ...);
+    * 1 ``expressions``: expressions, operators, literals and names
+      (``binary``, ``comparisons``, ``calls``, ``strings``, ``identifiers``, ...);
+    * 2 ``data-model``: the data model and special methods
+      (``types``, ``specialnames``, ``customization``, ``attribute-access``, ...);
+    * 3 ``builtin-types``: methods and operations of the builtin types
+      (``string-methods``, ``typesseq``, ``typesmapping``, ``formatstrings``, ``bltin-*``, ...).
+
+    The ``pdb`` manual (``debugger``) and topic keys not listed in ``TOPIC_GROUPS`` (newer Pythons
+    add some) are left out, as are paragraphs that occur under topics of two different groups
+    (they could not be labelled). Every group is then cut to the size of the smallest one by
+    taking evenly spaced paragraphs (so each keeps paragraphs from all of its topics), and the
+    groups are interleaved (0, 1, 2, 3, 0, 1, ...) so that the first N examples (``subset``) are
+    balanced too. About 950 examples, a quarter per label, on Python 3.11. The label shows in the
+    wording: statements talk about statements and blocks, expressions about operators and operands,
+    the data model about ``__dunder__`` methods, builtin types about ``str.``/``dict`` methods.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+
+from .bundle import DataError
+
+MIN_PARAGRAPH_CHARS = 40
+
+TOPIC_LABELS = ("statements", "expressions", "data-model", "builtin-types")
+
+# topic key -> index into TOPIC_LABELS
+TOPIC_GROUPS: dict[str, int] = {
+    **dict.fromkeys((
+        "assert", "assignment", "async", "augassign", "break", "class", "compound", "continue",
+        "del", "dynamic-features", "else", "exceptions", "execmodel", "for", "function", "global",
+        "if", "import", "match", "naming", "nonlocal", "pass", "raise", "return", "try", "type",
+        "typealias", "while", "with", "yield"), 0),
+    **dict.fromkeys((
+        "atom-identifiers", "atom-literals", "attribute-references", "await", "binary", "bitwise",
+        "booleans", "calls", "comparisons", "conversions", "dict", "exprlists", "floating",
+        "identifiers", "imaginary", "in", "integers", "lambda", "lists", "numbers",
+        "operator-summary", "power", "shifting", "slicings", "strings", "subscriptions", "unary"),
+        1),
+    **dict.fromkeys((
+        "attribute-access", "callable-types", "context-managers", "customization", "id-classes",
+        "numeric-types", "objects", "sequence-types", "specialattrs", "specialnames", "types"), 2),
+    **dict.fromkeys((
+        "bltin-code-objects", "bltin-ellipsis-object", "bltin-null-object", "bltin-type-objects",
+        "formatstrings", "string-methods", "truth", "typesfunctions", "typesmapping",
+        "typesmethods", "typesmodules", "typesseq", "typesseq-mutable"), 3),
+}
+
+BUILTINS: dict[str, str] = {
+    "python-docs": "paragraphs of the Python reference (pydoc_data.topics), for causal LM",
+    "python-docs-topics": "the same paragraphs labelled statements / expressions / data-model / "
+                          "builtin-types, for sequence classification",
+}
+
+_UNDERLINE = re.compile(r"^[ \t]*([*=\-~^\"#+`'])\1{2,}[ \t]*$", re.MULTILINE)
+_BLANK_LINE = re.compile(r"\n[ \t]*\n")
+
+
+def _check_name(name: str) -> str:
+    if name.startswith("builtin:"):
+        name = name[len("builtin:"):]
+    if name not in BUILTINS:
+        raise DataError(f"data: unknown builtin dataset {name!r}; the builtins are "
+                        + ", ".join(f"'builtin:{n}' ({d})" for n, d in BUILTINS.items()))
+    return name
+
+
+@functools.lru_cache(maxsize=1)
+def _topic_paragraphs() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(topic key, its paragraphs) in sorted key order; paragraphs not yet deduplicated."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # some minimal Python builds leave pydoc_data out
+        raise DataError("data: the builtin datasets need the 'pydoc_data' module of the Python "
+                        f"standard library, which this Python lacks ({e}); use a local file") from None
+    out = []
+    for key in sorted(topics):
+        text = _UNDERLINE.sub("", topics[key])
+        paras = (" ".join(block.split()) for block in _BLANK_LINE.split(text))
+        out.append((key, tuple(p for p in paras if len(p) >= MIN_PARAGRAPH_CHARS)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _docs() -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for _, paras in _topic_paragraphs():
+        for p in paras:
+            seen.setdefault(p, None)
+    return tuple(seen)
+
+
+@functools.lru_cache(maxsize=1)
+def _topics() -> tuple[tuple[str, int], ...]:
+    groups_of: dict[str, set[int]] = {}
+    order: dict[str, None] = {}
+    for key, paras in _topic_paragraphs():
+        group = TOPIC_GROUPS.get(key)
+        if group is None:
+            continue
+        for p in paras:
+            groups_of.setdefault(p, set()).add(group)
+            order.setdefault(p, None)
+    by_group: list[list[str]] = [[] for _ in TOPIC_LABELS]
+    for p in order:
+        if len(groups_of[p]) == 1:
+            by_group[next(iter(groups_of[p]))].append(p)
+    size = min(len(g) for g in by_group)
+    picked = [[g[(i * len(g)) // size] for i in range(size)] for g in by_group]
+    return tuple((picked[g][i], g) for i in range(size) for g in range(len(TOPIC_LABELS)))
+
+
+def builtin_names() -> list[str]:
+    """Names of the builtin datasets (use them as ``data="builtin:<name>"``)."""
+    return list(BUILTINS)
+
+
+def builtin_texts(name: str) -> list[str]:
+    """The texts of a builtin dataset (``"python-docs"`` or ``"python-docs-topics"``), in order."""
+    name = _check_name(name)
+    if name == "python-docs":
+        return list(_docs())
+    return [t for t, _ in _topics()]
+
+
+def builtin_rows(name: str) -> list[dict]:
+    """A builtin dataset as rows: ``{"text": str}``, plus ``"label": int`` for the labelled one."""
+    name = _check_name(name)
+    if name == "python-docs":
+        return [{"text": t} for t in _docs()]
+    return [{"text": t, "label": g} for t, g in _topics()]
+
+
+def builtin_label_names(name: str) -> list[str] | None:
+    """Label names of a builtin dataset (index = label id), or None when it has no labels."""
+    return list(TOPIC_LABELS) if _check_name(name) == "python-docs-topics" else None
+
+
+def builtin_source(name: str) -> str:
+    """A one-line description of a builtin dataset, for ``DataBundle.source``."""
+    name = _check_name(name)
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return f"builtin:{name} ({BUILTINS[name]}; Python {py})"

@@ -1,0 +1,50 @@
+"""Test helpers shared by several test files."""
+
+import math
+
+
+class Collect:
+    """A callback that keeps everything it is given."""
+
+    def __init__(self):
+        self.info = None
+        self.records = []
+        self.evals = []
+        self.result = None
+
+    def on_run_start(self, info):
+        self.info = info
+
+    def on_step_end(self, rec):
+        self.records.append(rec)
+
+    def on_eval(self, rec):
+        self.evals.append(rec)
+
+    def on_run_end(self, result):
+        self.result = result
+
+
+def inject_inf(monkeypatch, on_forward_calls):
+    """Make the model's logits inf on the given (1-based) forward calls of training."""
+    import nbtrain.models as models
+
+    original = models.build_model
+    calls = {"n": 0}
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+
+        def hook(module, inputs, output):
+            if not module.training:
+                return output
+            calls["n"] += 1
+            if calls["n"] in on_forward_calls:
+                output.logits = output.logits * math.inf
+            return output
+
+        model.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(models, "build_model", build)
+    return calls
