@@ -77,8 +77,7 @@ _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 
 
 def _check_name(name: str) -> str:
-    if name.startswith("builtin:"):
-        name = name[len("builtin:"):]
+    name = name.removeprefix("builtin:")
     if name not in BUILTINS:
         raise DataError(f"data: unknown builtin dataset {name!r}; the builtins are "
                         + ", ".join(f"'builtin:{n}' ({d})" for n, d in BUILTINS.items()))

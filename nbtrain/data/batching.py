@@ -1,0 +1,132 @@
+"""From tokenized examples to optimizer steps: ordering, micro-batches and padding.
+
+In epoch ``e`` the examples are visited in ``epoch_order(n, seed, e)`` order, a function of the
+seed and the epoch only. That order is cut into optimizer steps of ``micro_batch_size *
+grad_accum_steps`` examples (the epoch's last step may be short), and each step into micro-batches
+of ``micro_batch_size`` (its last may be short). So ``8 x 1``, ``2 x 4`` and ``1 x 8`` put the same
+examples in every optimizer step, and comparisons of accumulation settings see the same data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .bundle import DataError
+
+CAUSAL_LM = "causal-lm"
+CLASSIFICATION = "sequence-classification"
+IGNORE_INDEX = -100   # the Hugging Face / torch cross-entropy "no target here" label
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward's worth of examples, right-padded to its longest row."""
+
+    input_ids: torch.Tensor        # (B, T) long
+    attention_mask: torch.Tensor   # (B, T) long, 1 for real tokens
+    labels: torch.Tensor           # causal LM: (B, T), -100 at padding (the model shifts them); else (B,)
+    n_targets: int                 # causal LM: positions the shifted loss counts; classification: B
+    n_tokens: int                  # non-padding input tokens
+    indices: tuple[int, ...] = ()  # positions of its examples in the list given to iter_steps
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device, non_blocking: bool = False) -> MicroBatch:
+        """A copy with the tensors on ``device``."""
+        return MicroBatch(
+            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+            attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            n_targets=self.n_targets, n_tokens=self.n_tokens, indices=self.indices)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``attention_mask`` and ``labels`` as keyword arguments for a HF model."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels}
+
+
+def collate(examples: list[dict], pad_token_id: int, task: str,
+            indices: tuple[int, ...] = ()) -> MicroBatch:
+    """Pad ``examples`` to their longest row (right padding) and build the labels for ``task``."""
+    if not examples:
+        raise DataError("collate: got no examples")
+    if task not in (CAUSAL_LM, CLASSIFICATION):
+        raise DataError(f"task: {task!r} is not supported; allowed: {CAUSAL_LM}, {CLASSIFICATION}")
+    seqs = [ex["input_ids"] for ex in examples]
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    width = int(lengths.max())
+    mask = torch.arange(width) < lengths[:, None]
+    input_ids = torch.full((len(seqs), width), int(pad_token_id), dtype=torch.long)
+    # a boolean-mask assignment fills row by row, which is exactly the concatenated sequences
+    input_ids[mask] = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)
+    if task == CAUSAL_LM:
+        # mask by position, not by id: when pad == eos the real eos tokens must stay targets
+        labels = input_ids.masked_fill(~mask, IGNORE_INDEX)
+        n_targets = int((lengths - 1).clamp(min=0).sum())
+    else:
+        try:
+            labels = torch.tensor([ex["label"] for ex in examples], dtype=torch.long)
+        except KeyError:
+            raise DataError("collate: task='sequence-classification' needs a 'label' in every "
+                            "example") from None
+        n_targets = len(examples)
+    return MicroBatch(input_ids=input_ids, attention_mask=mask.long(), labels=labels,
+                      n_targets=n_targets, n_tokens=int(lengths.sum()), indices=tuple(indices))
+
+
+def steps_per_epoch(n_examples: int, micro_batch_size: int, grad_accum_steps: int) -> int:
+    """Optimizer steps in one pass over ``n_examples`` (the last step may be short)."""
+    _check_sizes(micro_batch_size, grad_accum_steps)
+    return math.ceil(n_examples / (micro_batch_size * grad_accum_steps))
+
+
+def epoch_order(n_examples: int, seed: int, epoch: int) -> list[int]:
+    """The order examples are visited in ``epoch``: depends on ``seed`` and ``epoch`` only."""
+    return torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def iter_steps(examples: list[dict], micro_batch_size: int, grad_accum_steps: int, seed: int,
+               pad_token_id: int, task: str,
+               start_step: int = 0) -> Iterator[tuple[float, list[MicroBatch]]]:
+    """Endless ``(epoch after this step, its micro-batches)`` per optimizer step.
+
+    ``start_step`` skips that many steps first (without building them), so a resumed run gets the
+    same batches it would have had.
+    """
+    _check_sizes(micro_batch_size, grad_accum_steps)
+    if not examples:
+        raise DataError("iter_steps: no examples to train on")
+    if task not in (CAUSAL_LM, CLASSIFICATION):
+        raise DataError(f"task: {task!r} is not supported; allowed: {CAUSAL_LM}, {CLASSIFICATION}")
+    if start_step < 0:
+        raise DataError(f"start_step: must be >= 0, got {start_step}")
+    return _steps(examples, micro_batch_size, grad_accum_steps, seed, pad_token_id, task, start_step)
+
+
+def _steps(examples, micro, accum, seed, pad_token_id, task, start_step):
+    n = len(examples)
+    per_step = micro * accum
+    spe = math.ceil(n / per_step)
+    epoch, first = divmod(start_step, spe)
+    while True:
+        order = epoch_order(n, seed, epoch)
+        for s in range(first, spe):
+            chunk = order[s * per_step: (s + 1) * per_step]
+            batches = [collate([examples[i] for i in chunk[j: j + micro]], pad_token_id, task,
+                               indices=tuple(chunk[j: j + micro]))
+                       for j in range(0, len(chunk), micro)]
+            yield epoch + min((s + 1) * per_step, n) / n, batches
+        first = 0
+        epoch += 1
+
+
+def _check_sizes(micro_batch_size: int, grad_accum_steps: int) -> None:
+    if int(micro_batch_size) < 1:
+        raise DataError(f"micro_batch_size: must be >= 1, got {micro_batch_size}")
+    if int(grad_accum_steps) < 1:
+        raise DataError(f"grad_accum_steps: must be >= 1, got {grad_accum_steps}")

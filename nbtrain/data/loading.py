@@ -1,0 +1,472 @@
+"""``load_data``: read the data a config names, split it, tokenize it, pack it.
+
+``cfg.data`` is one of
+
+* ``"builtin:<name>"``: an offline corpus from ``builtin.py``. Builtins have fixed columns, so
+  ``text_column``/``label_column`` are not used for them.
+* a local file: ``.txt``/``.text`` (one example per line), ``.csv``, ``.tsv``, ``.json`` (a list of
+  records, or JSON lines), ``.jsonl``, ``.parquet``; or a directory holding files of one of these
+  formats (searched recursively, hidden files skipped, sorted by path). Read with
+  ``datasets.load_dataset("<format>", data_files=...)``. A text file has a single column, which
+  stands for ``text_column`` whatever it is called.
+* anything else is a dataset id on the Hugging Face Hub, ``"<id>"`` or ``"<id>:<config name>"``,
+  read with ``datasets.load_dataset(id)``; its ``train`` split is used (or its first split).
+  When the Hub cannot be reached it is read from the local datasets cache only, and the error
+  says so.
+
+Then, in this order:
+
+1. rows whose text is missing, empty or only whitespace are dropped: they are not examples;
+2. for sequence classification, labels become ids: integer labels are used as they are
+   (``num_labels`` = largest + 1, names from a ``ClassLabel`` column when it has them), string
+   labels are numbered in sorted order (``label_names`` keeps the strings);
+3. ``subset``: the first N examples (documents) are kept;
+4. the eval split: ``round(n * eval_fraction)`` examples (at least 1 when the fraction is above 0
+   and n >= 2; always at least 1 left for training), chosen by
+   ``torch.randperm(n, generator=torch.Generator().manual_seed(seed))``, so it depends on the seed
+   only. Train and eval keep the file's order;
+5. tokenization with the tokenizer's own special tokens (BOS/EOS as it adds them to plain text),
+   truncated to ``max_seq_len``. Rows with no tokens are dropped, and causal-LM rows need at least
+   2 tokens (one to predict from, one to predict);
+6. causal LM with ``packing``: the documents of each split are concatenated, each followed by the
+   tokenizer's EOS token (unless it already ends with it), and cut into blocks of exactly
+   ``max_seq_len`` tokens; the short tail is dropped. Packing tokenizes whole documents (no
+   truncation), since the blocks, not the documents, are what must fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import torch
+
+from . import builtin
+from .bundle import DataBundle, DataError
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+
+CAUSAL_LM = "causal-lm"
+CLASSIFICATION = "sequence-classification"
+TASKS = (CAUSAL_LM, CLASSIFICATION)
+
+# file suffix -> (datasets builder, extra load_dataset kwargs)
+FILE_FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
+    ".txt": ("text", {}),
+    ".text": ("text", {}),
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"sep": "\t"}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".parquet": ("parquet", {}),
+}
+_SUPPORTED = ", ".join(FILE_FORMATS)
+_TOKENIZE_CHUNK = 4096
+
+
+@dataclass
+class _Rows:
+    """Raw examples before tokenizing: texts, labels (classification), and where they came from."""
+
+    texts: list[Any]
+    labels: list[Any] | None
+    label_names: list[str] | None
+    where: str            # "file 'x.csv'", for error messages
+    source: str           # for DataBundle.source
+    text_column: str
+    label_column: str
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry point
+# ---------------------------------------------------------------------------------------------
+def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
+    """Load, split and tokenize ``cfg.data`` for ``cfg.task``; bad data raises ``DataError``."""
+    task = cfg.task
+    if task not in TASKS:
+        raise DataError(f"task: {task!r} is not supported; allowed: {', '.join(TASKS)}")
+    if tokenizer is None or not callable(tokenizer):
+        raise DataError(f"tokenizer: expected a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+    pad_token_id = _pad_token_id(tokenizer)
+
+    rows = _read(cfg)
+    texts, labels, label_names, n_blank = _clean(rows, task)
+    if cfg.subset is not None:
+        texts = texts[: cfg.subset]
+        labels = labels[: cfg.subset] if labels is not None else None
+    train_idx, eval_idx = split_indices(len(texts), cfg.eval_fraction, cfg.seed)
+
+    def pick(idx: list[int]) -> tuple[list[str], list[int] | None]:
+        return [texts[i] for i in idx], ([labels[i] for i in idx] if labels is not None else None)
+
+    train_texts, train_labels = pick(train_idx)
+    eval_texts, eval_labels = pick(eval_idx)
+    packing = bool(cfg.packing) and task == CAUSAL_LM
+    max_len = None if packing else cfg.max_seq_len
+    min_len = 2 if task == CAUSAL_LM else 1
+    train, train_short = _examples(tokenizer, train_texts, train_labels, max_len, min_len)
+    evals, eval_short = _examples(tokenizer, eval_texts, eval_labels, max_len, min_len)
+    stats: dict[str, Any] = {
+        "rows": len(rows.texts),
+        "blank_rows_dropped": n_blank,
+        "documents": len(texts),
+        "train_documents": len(train_texts),
+        "eval_documents": len(eval_texts),
+        "short_rows_dropped": train_short + eval_short,
+        "packing": packing,
+    }
+    if packing:
+        sep = _separator(tokenizer)
+        stats["train_doc_tokens"] = sum(len(ex["input_ids"]) for ex in train)
+        train = pack(train, cfg.max_seq_len, sep)
+        evals = pack(evals, cfg.max_seq_len, sep)
+    else:
+        stats["rows_at_max_seq_len"] = sum(len(ex["input_ids"]) >= cfg.max_seq_len for ex in train + evals)
+
+    if not train:
+        why = (f"all {len(train_texts)} training documents together have fewer than max_seq_len="
+               f"{cfg.max_seq_len} tokens, so packing made no block; lower max_seq_len or set "
+               "packing=False" if packing else
+               f"every training text tokenized to fewer than {min_len} token(s)")
+        raise DataError(f"{rows.where}: no training examples left after tokenizing: {why}")
+    num_labels = None
+    if task == CLASSIFICATION:
+        num_labels = len(label_names) if label_names else max(labels) + 1  # type: ignore[arg-type]
+    return DataBundle(train=train, eval=evals, task=task, pad_token_id=pad_token_id,
+                      num_labels=num_labels, label_names=label_names if task == CLASSIFICATION else None,
+                      source=rows.source, stats=stats)
+
+
+def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Train and eval row indices (each in file order); the eval rows depend on ``seed`` and n only."""
+    if not 0 <= eval_fraction < 1:
+        raise DataError(f"eval_fraction: must be in [0, 1), got {eval_fraction!r}")
+    n_eval = 0
+    if eval_fraction > 0 and n >= 2:
+        n_eval = min(n - 1, max(1, math.floor(n * eval_fraction + 0.5)))
+    if n_eval == 0:
+        return list(range(n)), []
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    is_eval = torch.zeros(n, dtype=torch.bool)
+    is_eval[perm[:n_eval]] = True
+    return torch.nonzero(~is_eval).flatten().tolist(), torch.nonzero(is_eval).flatten().tolist()
+
+
+def pack(examples: list[dict], block_len: int, sep_token_id: int | None) -> list[dict]:
+    """Concatenate documents, each followed by ``sep_token_id``, and cut into full blocks."""
+    flat: list[int] = []
+    for ex in examples:
+        ids = ex["input_ids"]
+        flat.extend(ids)
+        if sep_token_id is not None and (not ids or ids[-1] != sep_token_id):
+            flat.append(sep_token_id)
+    return [{"input_ids": flat[i: i + block_len]}
+            for i in range(0, len(flat) - block_len + 1, block_len)]
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizing
+# ---------------------------------------------------------------------------------------------
+def _pad_token_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    if pad is None:
+        raise DataError("tokenizer: it has neither a pad token nor an EOS token to pad with; "
+                        "set tokenizer.pad_token first")
+    return int(pad)
+
+
+def _separator(tokenizer) -> int | None:
+    for name in ("eos_token_id", "sep_token_id"):
+        tok = getattr(tokenizer, name, None)
+        if tok is not None:
+            return int(tok)
+    return None
+
+
+def _examples(tokenizer, texts: list[str], labels: list[int] | None, max_len: int | None,
+              min_len: int) -> tuple[list[dict], int]:
+    """Tokenized examples, and how many were dropped for having fewer than ``min_len`` tokens."""
+    out: list[dict] = []
+    for start in range(0, len(texts), _TOKENIZE_CHUNK):
+        chunk = texts[start: start + _TOKENIZE_CHUNK]
+        enc = tokenizer(chunk, add_special_tokens=True, truncation=max_len is not None,
+                        max_length=max_len, return_attention_mask=False,
+                        return_token_type_ids=False, verbose=False)
+        for j, ids in enumerate(enc["input_ids"]):
+            if len(ids) < min_len:
+                continue
+            ex: dict[str, Any] = {"input_ids": list(ids)}
+            if labels is not None:
+                ex["label"] = labels[start + j]
+            out.append(ex)
+    return out, len(texts) - len(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# cleaning rows and labels
+# ---------------------------------------------------------------------------------------------
+def _clean(rows: _Rows, task: str) -> tuple[list[str], list[int] | None, list[str] | None, int]:
+    if not rows.texts:
+        raise DataError(f"{rows.where}: no examples (0 rows)")
+    keep = [i for i, t in enumerate(rows.texts) if isinstance(t, str) and t.strip()]
+    if not keep:
+        raise DataError(f"{rows.where}: no examples: all {len(rows.texts)} texts in column "
+                        f"{rows.text_column!r} are empty")
+    texts = [rows.texts[i] for i in keep]
+    if task != CLASSIFICATION:
+        return texts, None, None, len(rows.texts) - len(keep)
+    if rows.labels is None:
+        raise DataError(f"{rows.where}: task='sequence-classification' needs labels, and this "
+                        "data has none; use task='causal-lm' (or 'builtin:python-docs-topics' for a "
+                        "labelled builtin)")
+    raw = [rows.labels[i] for i in keep]
+    ids, names = _label_ids(raw, keep, rows)
+    return texts, ids, names, len(rows.texts) - len(keep)
+
+
+def _label_ids(raw: list[Any], row_of: list[int], rows: _Rows) -> tuple[list[int], list[str] | None]:
+    col = rows.label_column
+    for v, r in zip(raw, row_of):
+        if v is None:
+            raise DataError(f"{rows.where}: label column {col!r} has no value in row {r}; "
+                            "every example needs a label")
+    if all(isinstance(v, str) for v in raw):
+        names = sorted(set(raw))
+        index = {n: i for i, n in enumerate(names)}
+        ids = [index[v] for v in raw]
+    elif all(isinstance(v, (int, float)) for v in raw):  # bools count as 0/1
+        ids = []
+        for v, r in zip(raw, row_of):
+            if isinstance(v, float) and not v.is_integer() or int(v) < 0:
+                raise DataError(f"{rows.where}: label column {col!r} has {v!r} in row {r}; labels "
+                                "must be integers 0..K-1 or strings")
+            ids.append(int(v))
+        names = rows.label_names
+        if names is not None and max(ids) >= len(names):
+            names = None
+    else:
+        kinds = sorted({type(v).__name__ for v in raw})
+        raise DataError(f"{rows.where}: label column {col!r} holds {', '.join(kinds)} values; "
+                        "labels must be integers 0..K-1 or strings")
+    if len(set(ids)) < 2:
+        raise DataError(f"{rows.where}: label column {col!r} has only one distinct label "
+                        f"({raw[0]!r}); sequence classification needs at least 2")
+    return ids, names
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+def _read(cfg: TrainConfig) -> _Rows:
+    data = cfg.data.strip()
+    if data.startswith("builtin:"):
+        name = data[len("builtin:"):]
+        rows = builtin.builtin_rows(name)
+        has_labels = bool(rows) and "label" in rows[0]
+        return _Rows(texts=[r["text"] for r in rows],
+                     labels=[r["label"] for r in rows] if has_labels else None,
+                     label_names=builtin.builtin_label_names(name), where=f"data {data!r}",
+                     source=builtin.builtin_source(name), text_column="text", label_column="label")
+    path = Path(data).expanduser()
+    if path.exists():
+        return _read_local(path, cfg)
+    if _looks_like_path(data):
+        raise DataError(f"data: {data!r} does not exist (no such file or directory); give a "
+                        f"{_SUPPORTED} file, a directory of them, 'builtin:<name>' or a dataset id")
+    return _read_hub(data, cfg)
+
+
+def _looks_like_path(data: str) -> bool:
+    # Hub ids are "name" or "owner/name"; anything else that is not on disk is a mistyped path
+    return (Path(data).suffix.lower() in FILE_FORMATS or data.startswith(("/", ".", "~"))
+            or data.count("/") >= 2 or "\\" in data or data.endswith("/"))
+
+
+def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                       and p.suffix.lower() in FILE_FORMATS)
+        if not files:
+            raise DataError(f"data: directory '{path}' holds no data files; supported: {_SUPPORTED}")
+        builders = {FILE_FORMATS[p.suffix.lower()][0] for p in files}
+        kwargs = {frozenset(FILE_FORMATS[p.suffix.lower()][1].items()) for p in files}
+        if len(builders) > 1 or len(kwargs) > 1:
+            found = sorted({p.suffix.lower() for p in files})
+            raise DataError(f"data: directory '{path}' mixes file formats ({', '.join(found)}); "
+                            "put files of one format in it")
+        where = f"directory '{path}'"
+        desc = f"{len(files)} file{'s' * (len(files) != 1)}"
+    else:
+        suffix = path.suffix.lower()
+        if suffix not in FILE_FORMATS:
+            raise DataError(f"data: file '{path}' has an unsupported type {suffix or '(no suffix)'!r}; "
+                            f"supported: {_SUPPORTED}")
+        files = [path]
+        where = f"file '{path}'"
+        desc = "file"
+    builder, kwargs = FILE_FORMATS[files[0].suffix.lower()]
+    ds = _load_dataset(where, builder, data_files=[str(f) for f in files], split="train", quiet=True,
+                       **kwargs)
+    return _rows_from_dataset(ds, cfg, where, f"{path} ({builder} {desc}, {ds.num_rows} rows)",
+                              single_text_column=builder == "text")
+
+
+def _read_hub(data: str, cfg: TrainConfig) -> _Rows:
+    import datasets
+
+    name, _, config_name = data.partition(":")
+    where = f"dataset {data!r}"
+    offline = bool(datasets.config.HF_HUB_OFFLINE) or not _hub_reachable()
+    try:
+        with _offline_mode(offline):
+            dd = _load_dataset(where, name, config_name or None)
+    except DataError:
+        if offline:
+            raise DataError(
+                f"data: {data!r} is not a local file or directory, and it could not be loaded "
+                "offline as a Hugging Face dataset id (the Hub is not reachable and it is not in the "
+                f"local datasets cache). Give a local path instead: a {_SUPPORTED} file or a "
+                "directory of them (or 'builtin:python-docs').") from None
+        raise
+    if isinstance(dd, datasets.DatasetDict):
+        if not dd:
+            raise DataError(f"{where}: has no splits")
+        split = "train" if "train" in dd else next(iter(dd))
+        ds = dd[split]
+    else:
+        split, ds = "train", dd
+    return _rows_from_dataset(ds, cfg, where, f"dataset {data!r}, split {split!r} ({ds.num_rows} rows)",
+                              single_text_column=False)
+
+
+def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
+                       single_text_column: bool) -> _Rows:
+    import datasets
+
+    features = ds.features
+    columns = list(ds.column_names)
+    text_col = columns[0] if single_text_column else cfg.text_column
+    if text_col not in features:
+        raise DataError(f"{where}: no text column {text_col!r}; its columns are {columns}. "
+                        "Set text_column to one of them.")
+    feat = features[text_col]
+    if not (isinstance(feat, datasets.Value) and feat.dtype in ("string", "large_string")):
+        raise DataError(f"{where}: text column {text_col!r} holds {_describe_feature(feat)}, not text; "
+                        "text_column must name a column of strings")
+    texts = ds.data.column(text_col).to_pylist()
+    labels = label_names = None
+    label_col = cfg.label_column
+    if cfg.task == CLASSIFICATION:
+        if label_col not in features:
+            raise DataError(f"{where}: no label column {label_col!r}; its columns are {columns}. "
+                            "Set label_column to one of them (sequence classification needs labels).")
+        lfeat = features[label_col]
+        ok = isinstance(lfeat, datasets.ClassLabel) or (
+            isinstance(lfeat, datasets.Value)
+            and (lfeat.dtype in ("string", "large_string", "bool")
+                 or lfeat.dtype.startswith(("int", "uint", "float"))))
+        if not ok:
+            raise DataError(f"{where}: label column {label_col!r} holds {_describe_feature(lfeat)}; "
+                            "labels must be integers 0..K-1 or strings")
+        labels = ds.data.column(label_col).to_pylist()
+        if isinstance(lfeat, datasets.ClassLabel):
+            label_names = list(lfeat.names)
+    return _Rows(texts=texts, labels=labels, label_names=label_names, where=where, source=source,
+                 text_column=text_col, label_column=label_col)
+
+
+def _describe_feature(feat) -> str:
+    dtype = getattr(feat, "dtype", None)
+    return f"{dtype} values" if isinstance(dtype, str) else f"{type(feat).__name__} values ({feat})"
+
+
+def _load_dataset(where: str, *args, quiet: bool = False, **kwargs):
+    """``datasets.load_dataset`` with its failures turned into a ``DataError`` naming ``where``."""
+    import logging
+
+    import datasets
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()  # a bar per tiny local file is noise in a notebook
+    # datasets logs a parser failure before raising it; the DataError below already says it once
+    ds_logger = logging.getLogger("datasets")
+    saved_level = ds_logger.level
+    if quiet:
+        ds_logger.setLevel(logging.CRITICAL)
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in many types; all mean "unreadable"
+        raise DataError(f"data: could not read {where}: {_reason(e)}") from None
+    finally:
+        ds_logger.setLevel(saved_level)
+        if not was_disabled:
+            enable_progress_bars()
+
+
+def _reason(e: BaseException) -> str:
+    chain: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and len(chain) < 8:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    names = {type(c).__name__ for c in chain}
+    text = " ".join(str(c) for c in chain)
+    if any(isinstance(c, UnicodeDecodeError) for c in chain):
+        return "it is not UTF-8 text (a binary file?)"
+    if "magic bytes" in text or "ArrowInvalid" in names and "parquet" in text.lower():
+        return "it is not a valid parquet file"
+    if (names & {"EmptyDataError", "SchemaInferenceError", "StopIteration"}
+            or "corresponds to no data" in text):
+        return "it holds no rows (empty file?)"
+    first = next((c for c in chain if str(c)), e)
+    msg = str(first).strip().splitlines()[0] if str(first).strip() else ""
+    return f"{type(first).__name__}: {msg[:300]}" if msg else type(first).__name__
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A cheap check before ``load_dataset(id)``, whose retries take ~25 s when offline."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # a direct connection says nothing about a proxy; let datasets try
+    try:
+        from huggingface_hub import constants
+
+        url = urlparse(constants.ENDPOINT)
+        host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    except Exception:  # noqa: BLE001 - a malformed HF_ENDPOINT: fall back to the public Hub
+        host, port = "huggingface.co", 443
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _offline_mode(on: bool) -> Iterator[None]:
+    """Make datasets/huggingface_hub use only their caches for one call."""
+    if not on:
+        yield
+        return
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved

@@ -1,0 +1,238 @@
+"""Where a model comes from (a preset, a local directory or a Hub id) and how it is loaded."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .presets import PRESETS, build_preset_model, preset_tokenizer
+
+CAUSAL_LM = "causal-lm"
+SEQ_CLS = "sequence-classification"
+
+
+class ModelError(ValueError):
+    """A model or tokenizer that cannot be found, loaded or adapted as the config asks."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where ``TrainConfig.model`` points: ``kind`` is "preset", "local" or "hub"."""
+
+    kind: str
+    name: str          # preset name, absolute directory, or Hub id
+
+    @property
+    def is_preset(self) -> bool:
+        return self.kind == "preset"
+
+
+def resolve_source(model: str) -> ModelSource:
+    """Classify ``model``: a preset name, an existing local directory, or (otherwise) a Hub id."""
+    if model in PRESETS:
+        return ModelSource("preset", model)
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"model {model!r}: is a file; pass the directory that holds config.json "
+                             f"(or a preset: {sorted(PRESETS)})")
+        return ModelSource("local", str(path.resolve()))
+    if model.startswith(("/", "./", "../", "~", ".\\")) or model.endswith(("/", os.sep)) \
+            or model.count("/") > 1:
+        raise ModelError(f"model {model!r}: no such directory (a model is a preset {sorted(PRESETS)}, "
+                         "a local directory with config.json, or a Hub id like 'org/name')")
+    return ModelSource("hub", model)
+
+
+def _hub_error(name: str, what: str, err: Exception) -> ModelError:
+    return ModelError(
+        f"model {name!r}: could not load its {what} from the Hugging Face Hub or the local cache "
+        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). If this machine is "
+        "offline the Hub cannot be reached: download the model once where there is a network "
+        "(e.g. `hf download ORG/NAME --local-dir DIR`) and pass that local directory as model=DIR.")
+
+
+def _check_local(src: ModelSource) -> None:
+    if not (Path(src.name) / "config.json").is_file():
+        raise ModelError(f"model {src.name!r}: the directory has no config.json; pass a directory "
+                         "written by save_pretrained() (config.json, weights, tokenizer files)")
+
+
+def load_tokenizer(cfg):
+    """The tokenizer for ``cfg.model``, with a pad token (the EOS one when it has none) padding right.
+
+    ``"tiny"`` gets the offline byte-level BPE of the preset; anything else goes through
+    ``AutoTokenizer.from_pretrained`` (a local directory, or a Hub id that is reachable or cached).
+    """
+    src = resolve_source(cfg.model)
+    if src.is_preset:
+        tok = preset_tokenizer(src.name)
+    else:
+        from transformers import AutoTokenizer
+
+        if src.kind == "local":
+            _check_local(src)
+        try:
+            tok = AutoTokenizer.from_pretrained(src.name)
+        except OSError as e:
+            if src.kind == "hub":
+                raise _hub_error(src.name, "tokenizer", e) from None
+            raise ModelError(f"model {src.name!r}: could not load a tokenizer from the directory "
+                             f"({e}); save one there with tokenizer.save_pretrained(DIR)") from None
+        except (ValueError, KeyError) as e:
+            raise ModelError(f"model {src.name!r}: could not load its tokenizer: {e}") from None
+    if tok.pad_token is None:
+        # padding positions are masked out of the loss and attention, so reusing EOS is harmless
+        fallback = tok.eos_token or getattr(tok, "sep_token", None) or tok.unk_token
+        if fallback is None:
+            raise ModelError(f"model {cfg.model!r}: its tokenizer has no pad, eos, sep or unk token to "
+                             "pad with; add one with tokenizer.add_special_tokens({'pad_token': ...}) "
+                             "and save it to a local directory")
+        tok.pad_token = fallback
+    # right padding: positions and the classification head's "last real token" both expect it
+    tok.padding_side = "right"
+    return tok
+
+
+def head_module_names(model: torch.nn.Module) -> list[str]:
+    """The task head of a sequence classifier: its top-level children that hold parameters,
+    other than the backbone (``score`` for Llama, ``classifier`` for BERT, ``pre_classifier`` too
+    for DistilBERT). These are new at fine-tuning time, so LoRA trains and saves them whole and
+    QLoRA never quantises them."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return [name for name, child in model.named_children()
+            if name != prefix and any(True for _ in child.parameters())]
+
+
+def _auto_class(task: str):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if task == SEQ_CLS else AutoModelForCausalLM
+
+
+def _pretrained_config(src: ModelSource, task: str, num_labels: int | None, local_only: bool = False):
+    from transformers import AutoConfig
+
+    kwargs = {"num_labels": int(num_labels)} if task == SEQ_CLS and num_labels else {}
+    try:
+        return AutoConfig.from_pretrained(src.name, local_files_only=local_only, **kwargs)
+    except OSError as e:
+        if src.kind == "hub":
+            raise _hub_error(src.name, "config", e) from None
+        raise ModelError(f"model {src.name!r}: could not read config.json: {e}") from None
+    except (ValueError, KeyError) as e:
+        raise ModelError(f"model {src.name!r}: transformers does not know this config: {e}") from None
+
+
+def meta_model(model: str, task: str, num_labels: int | None = None,
+               local_only: bool = True) -> torch.nn.Module:
+    """The architecture of ``model`` for ``task`` on the meta device: no memory, no weights read
+    (``local_only``: a Hub id must already be in the local cache)."""
+    src = resolve_source(model)
+    if src.is_preset:
+        config = PRESETS[src.name].make_config(None, task, num_labels or 2)
+    else:
+        if src.kind == "local":
+            _check_local(src)
+        config = _pretrained_config(src, task, num_labels, local_only=local_only)
+    with torch.device("meta"):
+        try:
+            return _auto_class(task).from_config(config)
+        except ValueError as e:  # e.g. an encoder-only config asked for causal-lm
+            raise ModelError(f"model {model!r}: {type(config).__name__} has no {task} model class "
+                             f"in transformers: {str(e).splitlines()[0]}") from None
+
+
+def linear_module_names(model: torch.nn.Module) -> set[str]:
+    """Leaf names (``q_proj``, ``dense``, ...) of the Linear-like modules LoRA can target."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = set()
+    for name, module in model.named_modules():
+        if name and isinstance(module, (torch.nn.Linear, Conv1D)):
+            names.add(name.rsplit(".", 1)[-1])
+    # LoRA's own layers are Linear too; they are not targets
+    return {n for n in names if not n.startswith("lora_")}
+
+
+def _stamp(model: str) -> float | None:
+    cfg_file = Path(model).expanduser() / "config.json"
+    return cfg_file.stat().st_mtime if cfg_file.is_file() else None
+
+
+@functools.lru_cache(maxsize=64)
+def _known(model: str, task: str, stamp: float | None) -> frozenset[str] | None:
+    try:
+        return frozenset(linear_module_names(meta_model(model, task)))
+    except ModelError:
+        return None
+
+
+def known_module_names(model: str, task: str) -> set[str] | None:
+    """Leaf names of the Linear-like modules of ``model`` that LoRA could target, for a preset or a
+    local directory (built on the meta device, cheap) or a Hub id already in the local cache;
+    None when that cannot be told without a download."""
+    names = _known(model, task, _stamp(model))
+    return set(names) if names is not None else None
+
+
+def _device_map(device: str) -> dict[str, object]:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return {"": torch.cuda.current_device()}
+    return {"": dev.index if dev.type == "cuda" else dev.type}
+
+
+def load_base_model(cfg, tokenizer, num_labels: int | None, device: str, quantization_config=None):
+    """The fp32 base model for ``cfg`` on ``device``: a preset from its config (random init from the
+    global RNG), else from the directory / Hub id; quantised on load when a config is given."""
+    task = cfg.task
+    if task == SEQ_CLS and not num_labels:
+        raise ModelError(f"num_labels: task {SEQ_CLS!r} needs the number of labels (>= 1), got "
+                         f"{num_labels!r}")
+    src = resolve_source(cfg.model)
+    if src.is_preset:
+        model = build_preset_model(src.name, tokenizer, task, num_labels)
+        if quantization_config is None:
+            return model.to(device)
+        # bitsandbytes quantises while loading, so the random init goes through a directory; the
+        # weights are the ones just drawn from the seeded RNG, so the same seed gives the same model
+        with tempfile.TemporaryDirectory(prefix="nbtrain-tiny-", ignore_cleanup_errors=True) as tmp:
+            model.save_pretrained(tmp)
+            del model
+            model = _from_pretrained(ModelSource("local", tmp), task, num_labels, device,
+                                     quantization_config)
+            # the directory is gone after this: the model is "from a config" again, as peft expects
+            # of a base it must not look up on disk or on the Hub
+            model.config._name_or_path = ""
+            model.name_or_path = ""
+        return model
+    if src.kind == "local":
+        _check_local(src)
+    model = _from_pretrained(src, task, num_labels, device, quantization_config)
+    if quantization_config is None:
+        model = model.to(device)
+    return model
+
+
+def _from_pretrained(src: ModelSource, task: str, num_labels, device: str, quantization_config):
+    kwargs: dict = {"dtype": torch.float32}
+    if task == SEQ_CLS:
+        # a checkpoint that already has a head for another label count gets a fresh one
+        kwargs.update(num_labels=int(num_labels), ignore_mismatched_sizes=True)
+    if quantization_config is not None:
+        kwargs.update(quantization_config=quantization_config, device_map=_device_map(device))
+    try:
+        return _auto_class(task).from_pretrained(src.name, **kwargs)
+    except OSError as e:
+        if src.kind == "hub":
+            raise _hub_error(src.name, "weights", e) from None
+        raise ModelError(f"model {src.name!r}: could not load the weights: {e}") from None
+    except (ValueError, KeyError) as e:
+        raise ModelError(f"model {src.name!r}: could not load it for task {task!r}: "
+                         f"{str(e).splitlines()[0]}") from None

@@ -1,0 +1,161 @@
+"""The three methods as small builders: full fine-tuning, LoRA, and QLoRA (LoRA on a 4/8-bit base).
+
+``build_model`` picks one from ``cfg.method``. Whatever the method, the weights that train are fp32:
+the low precision comes from ``torch.autocast`` in the loop, and fp16 *weights* would make the
+GradScaler refuse to unscale their gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .loading import CAUSAL_LM, SEQ_CLS, ModelError, head_module_names, linear_module_names, \
+    load_base_model
+
+# the dtype bitsandbytes computes its 4-bit matmuls in, per resolved precision: it follows the
+# autocast dtype so the quantised layers do not silently run in another precision than the rest
+COMPUTE_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
+                 "bf16": torch.bfloat16}
+
+_CHECKPOINT_KWARGS = {"use_reentrant": False}
+
+
+def bnb_config(cfg, precision: str, skip_modules: list[str] | None = None):
+    """The ``BitsAndBytesConfig`` for QLoRA: nf4 with double quantisation (4 bits) or LLM.int8 (8)."""
+    from transformers import BitsAndBytesConfig
+
+    if precision not in COMPUTE_DTYPE:
+        raise ModelError(f"precision: expected a resolved precision {sorted(COMPUTE_DTYPE)}, got "
+                         f"{precision!r}")
+    if cfg.quant_bits == 4:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=COMPUTE_DTYPE[precision],
+                                  llm_int8_skip_modules=skip_modules)
+    if cfg.quant_bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
+    raise ModelError(f"quant_bits: must be 4 or 8, got {cfg.quant_bits!r}")
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward (non-reentrant, so the loss and gradients are unchanged)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ModelError(f"gradient_checkpointing: {type(model).__name__} does not support it; set "
+                         "gradient_checkpointing=False")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_CHECKPOINT_KWARGS))
+
+
+def apply_full(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """Full fine-tuning: every parameter trains."""
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+    return model
+
+
+def lora_config(cfg, model: torch.nn.Module, task: str):
+    """The peft ``LoraConfig`` for ``cfg``; explicit target names are checked against ``model``."""
+    from peft import LoraConfig, TaskType
+
+    heads = head_module_names(model) if task == SEQ_CLS else []
+    if isinstance(cfg.lora_targets, str):
+        targets: str | list[str] = "all-linear"
+    else:
+        valid = linear_module_names(model) - set(heads)
+        unknown = [t for t in cfg.lora_targets if t not in valid]
+        if unknown:
+            raise ModelError(f"lora_targets: {unknown} are not Linear modules of {cfg.model!r}; valid "
+                             f"names are {sorted(valid)} (or 'all-linear')")
+        targets = list(cfg.lora_targets)
+    return LoraConfig(
+        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
+        target_modules=targets,
+        # the classification head is new: it trains whole and is saved with the adapter
+        exclude_modules=heads or None, modules_to_save=heads or None,
+        task_type=TaskType.SEQ_CLS if task == SEQ_CLS else TaskType.CAUSAL_LM,
+    )
+
+
+def apply_lora(model: torch.nn.Module, cfg, task: str, checkpointing_enabled: bool = False) -> torch.nn.Module:
+    """LoRA adapters on the targets; the base is frozen (the head of a classifier trains)."""
+    from peft import get_peft_model
+
+    lcfg = lora_config(cfg, model, task)
+    if cfg.gradient_checkpointing and not checkpointing_enabled:
+        enable_checkpointing(model)
+    if cfg.gradient_checkpointing:
+        # with a frozen embedding nothing before the first checkpointed block needs a gradient;
+        # marking the embedding output keeps the recomputed blocks in the graph with any checkpoint style
+        model.enable_input_require_grads()
+    return get_peft_model(model, lcfg)
+
+
+def prepare_qlora(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """Freeze a quantised base and make it trainable through adapters (peft's k-bit preparation)."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing_kwargs=dict(_CHECKPOINT_KWARGS))
+
+
+def _keep_cpu_4bit_layout(model: torch.nn.Module) -> None:
+    # On CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit layer the first time it runs in eval
+    # mode without grad, keeping its scales and computing in bf16 from then on. Evaluation would then
+    # silently run in another precision than training (and the config); keep the standard layout.
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def cast_trainable_fp32(model: torch.nn.Module) -> torch.nn.Module:
+    """Cast every trainable parameter that is not fp32 to fp32 (autocast does the low precision)."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return model
+
+
+def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: str) -> torch.nn.Module:
+    """The model for ``cfg`` on ``device``, in train mode, with ``cfg.method`` applied.
+
+    ``precision`` is the resolved name (fp32, tf32, fp16, bf16); it sets the compute dtype of the
+    4-bit layers under QLoRA. Seed torch before calling: the initialisation of new weights (the
+    whole ``tiny`` preset, a classification head) draws from the global RNG. The forward takes
+    ``input_ids`` and ``attention_mask`` and returns ``.logits``; the caller computes the loss.
+    """
+    task = cfg.task
+    if task not in (CAUSAL_LM, SEQ_CLS):
+        raise ModelError(f"task: must be {CAUSAL_LM!r} or {SEQ_CLS!r}, got {task!r}")
+    if cfg.method == "qlora":
+        skip = None
+        if task == SEQ_CLS:
+            from .loading import meta_model
+
+            skip = head_module_names(meta_model(cfg.model, task, num_labels, local_only=False))
+        model = load_base_model(cfg, tokenizer, num_labels, device, bnb_config(cfg, precision, skip))
+    elif cfg.method in ("full", "lora"):
+        model = load_base_model(cfg, tokenizer, num_labels, device)
+    else:
+        raise ModelError(f"method: must be 'full', 'lora' or 'qlora', got {cfg.method!r}")
+
+    if task == SEQ_CLS and model.config.pad_token_id is None:
+        # the head reads the last non-pad token; without a pad id it refuses batches larger than 1
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if task == CAUSAL_LM:
+        # the loop never generates; a KV cache would only cost memory during training
+        model.config.use_cache = False
+
+    if cfg.method == "full":
+        model = apply_full(model, cfg)
+    elif cfg.method == "lora":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model = apply_lora(model, cfg, task)
+    else:
+        _keep_cpu_4bit_layout(model)
+        model = prepare_qlora(model, cfg)  # enables checkpointing itself when asked
+        model = apply_lora(model, cfg, task, checkpointing_enabled=True)
+    cast_trainable_fp32(model)
+    return model.train()

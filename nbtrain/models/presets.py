@@ -1,0 +1,121 @@
+"""Model presets that need no network: ``tiny``, a small Llama built from a config, and its tokenizer.
+
+The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on the Python reference
+text that ships with CPython (``pydoc_data.topics``). The trainer breaks ties between equally
+frequent pairs by the pair itself, so the vocabulary is the same in every process (a test checks
+this across two interpreters); it takes ~0.2 s and is kept in memory after the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+SPECIAL_ORDER = ("unk_token", "bos_token", "eos_token", "pad_token")   # their ids: 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A named model built from a config (random init) with an offline tokenizer."""
+
+    name: str
+    description: str
+    architecture: str                      # the config family, for people reading PRESETS
+    vocab_size: int                        # of the preset's tokenizer
+    config_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def make_config(self, tokenizer, task: str, num_labels: int | None = None):
+        """The transformers config for ``task``, with the tokenizer's special token ids
+        (``tokenizer=None``: the preset tokenizer's, without training it)."""
+        from transformers import LlamaConfig
+
+        kwargs = dict(self.config_kwargs)
+        if tokenizer is None:
+            ids = {k: i for i, k in enumerate(SPECIAL_ORDER)}  # specials come first in the vocab
+            kwargs.update(vocab_size=self.vocab_size, bos_token_id=ids["bos_token"],
+                          eos_token_id=ids["eos_token"], pad_token_id=ids["pad_token"])
+        else:
+            kwargs.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        if task == "sequence-classification":
+            kwargs["num_labels"] = int(num_labels)
+        return LlamaConfig(**kwargs)
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "tiny": ModelPreset(
+        name="tiny",
+        description="Llama-style causal LM, 4 layers x 128 hidden, 2,048-token byte-level BPE, "
+                    "~1.6M parameters, random init, no dropout; trains on a laptop CPU",
+        architecture="llama",
+        vocab_size=2048,
+        config_kwargs=dict(
+            hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-6,
+            initializer_range=0.02, rope_theta=10000.0, attention_dropout=0.0, attention_bias=False,
+            mlp_bias=False, hidden_act="silu",
+            # untied: the output layer stays a plain Linear that peft's "all-linear" and the
+            # quantiser both leave alone, as they do for most real checkpoints
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def builtin_corpus() -> list[str]:
+    """The texts the preset tokenizer is trained on: ``pydoc_data.topics``, in sorted key order."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [SPECIAL_TOKENS[k] for k in SPECIAL_ORDER]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=specials, show_progress=False,
+        # every byte in the vocabulary, so no text is ever out of vocabulary
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(builtin_corpus(), trainer=trainer)
+    bos = SPECIAL_TOKENS["bos_token"]
+    # a BOS at the start of every sequence, like Llama's tokenizer; packing then keeps documents apart
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    return tok.to_str()
+
+
+def preset_tokenizer(name: str = "tiny"):
+    """A fresh ``PreTrainedTokenizerFast`` for preset ``name`` (trained once per process, then copied)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    preset = PRESETS[name]
+    with _lock:  # two threads (a background run and the notebook) must not train it twice at once
+        text = _tokenizer_json(preset.vocab_size)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(text), model_max_length=preset.config_kwargs.get(
+            "max_position_embeddings", 2048), padding_side="right", **SPECIAL_TOKENS)
+    return tok
+
+
+def build_preset_model(name: str, tokenizer, task: str, num_labels: int | None = None):
+    """Preset ``name`` with random init from the global torch RNG (seed before calling), in fp32 on CPU."""
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    config = PRESETS[name].make_config(tokenizer, task, num_labels)
+    cls = LlamaForSequenceClassification if task == "sequence-classification" else LlamaForCausalLM
+    model = cls(config)
+    return model.to(torch.float32)

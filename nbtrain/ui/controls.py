@@ -1,0 +1,236 @@
+"""One widget per TrainConfig field, and the codecs that turn config values into widget values and back.
+
+Every codec round-trips exactly: ``decode(encode(v)) == v`` for every value a TrainConfig can hold,
+including ``None`` for the optional fields (a blank text box) and lists for ``lora_targets``.
+Decoding fails with a ``ValueError`` whose message says what the box accepts; the panel shows it
+next to the field name instead of raising.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import ipywidgets as widgets
+import traitlets
+
+DESCRIPTION_WIDTH = "150px"
+CONTROL_WIDTH = "340px"
+
+
+def _style() -> dict:
+    return {"description_width": DESCRIPTION_WIDTH}
+
+
+def _layout(width: str = CONTROL_WIDTH) -> widgets.Layout:
+    return widgets.Layout(width=width)
+
+
+class Choice(widgets.HBox):
+    """A row of toggle buttons with one selected: ``.value`` is the selected option's name.
+
+    Unlike ``ToggleButtons``, each option can be disabled on its own (with its reason as the tooltip),
+    which ``Dropdown``/``ToggleButtons`` cannot do. Setting ``.value`` to a disabled option is possible
+    from code; the panel then reports it as an error instead of producing a config.
+    """
+
+    value = traitlets.Unicode("")  # not synced: the buttons are what the frontend sees
+
+    def __init__(self, options: tuple[str, ...], labels: Optional[dict] = None, tooltips: Optional[dict] = None,
+                 disabled: Optional[dict] = None, description: str = "", **kwargs):
+        labels, tooltips, disabled = labels or {}, tooltips or {}, disabled or {}
+        self.buttons: dict[str, widgets.ToggleButton] = {}
+        for name in options:
+            why = disabled.get(name)
+            self.buttons[name] = widgets.ToggleButton(
+                value=False, description=labels.get(name, name), disabled=bool(why),
+                tooltip=f"unavailable here: {why}" if why else tooltips.get(name, ""),
+                layout=widgets.Layout(width="auto", min_width="64px"))
+        self._syncing = False
+        label = widgets.Label(description, layout=widgets.Layout(width=DESCRIPTION_WIDTH))
+        super().__init__([label, *self.buttons.values()], **kwargs)
+        for name, button in self.buttons.items():
+            button.observe(lambda ch, name=name: self._pressed(name, ch["new"]), names="value")
+        self.observe(self._show, names="value")
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return tuple(self.buttons)
+
+    def _pressed(self, name: str, pressed: bool) -> None:
+        if self._syncing:
+            return
+        if pressed:
+            self.value = name
+        elif name == self.value:
+            # A click on the selected button would leave nothing selected: keep it pressed.
+            self._show({"new": self.value})
+
+    def _show(self, change) -> None:
+        self._syncing = True
+        try:
+            for name, button in self.buttons.items():
+                button.value = name == change["new"]
+                button.button_style = "info" if name == change["new"] else ""
+        finally:
+            self._syncing = False
+
+
+class Codec:
+    """How one TrainConfig field is edited: the widget, and value <-> widget value conversions."""
+
+    def __init__(self, make: Callable[[], widgets.Widget], encode: Callable[[Any], Any] = lambda v: v,
+                 decode: Callable[[Any], Any] = lambda x: x):
+        self.make, self.encode, self.decode = make, encode, decode
+
+
+# -- text boxes for values that may be None --------------------------------------------------------
+def _is_none_text(text: str) -> bool:
+    return text.strip().lower() in ("", "none", "null")
+
+
+def _optional_int(blank: str) -> Codec:
+    def decode(text: str) -> Optional[int]:
+        if _is_none_text(text):
+            return None
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise ValueError(f"must be a whole number, or blank for {blank} (got {text.strip()!r})") from None
+
+    return Codec(lambda: None, lambda v: "" if v is None else str(v), decode)
+
+
+def _optional_float(blank: str) -> Codec:
+    def decode(text: str) -> Optional[float]:
+        if _is_none_text(text):
+            return None
+        try:
+            return float(text.strip())
+        except ValueError:
+            raise ValueError(f"must be a number, or blank for {blank} (got {text.strip()!r})") from None
+
+    return Codec(lambda: None, lambda v: "" if v is None else repr(float(v)), decode)
+
+
+def _optional_str(blank: str) -> Codec:
+    return Codec(lambda: None, lambda v: "" if v is None else str(v),
+                 lambda text: None if not text.strip() else text.strip())
+
+
+def encode_targets(value) -> str:
+    """``"all-linear"`` stays as is; a list becomes comma-separated names (a lone "all-linear" list
+    gets a trailing comma so it reads back as a list, keeping the round trip exact)."""
+    if isinstance(value, str):
+        return value
+    text = ", ".join(value)
+    return text + "," if len(value) == 1 and value[0] == "all-linear" else text
+
+
+def decode_targets(text: str):
+    """Inverse of :func:`encode_targets`: a comma means a list, a single name is a one-item list."""
+    text = text.strip()
+    if "," in text:
+        return [t.strip() for t in text.split(",") if t.strip()]
+    if text == "all-linear" or not text:
+        return text   # blank: let TrainConfig say what is allowed
+    return [text]
+
+
+# -- widgets ---------------------------------------------------------------------------------------
+def _int(desc: str) -> Callable[[], widgets.Widget]:
+    return lambda: widgets.IntText(description=desc, style=_style(), layout=_layout())
+
+
+def _float(desc: str) -> Callable[[], widgets.Widget]:
+    return lambda: widgets.FloatText(description=desc, style=_style(), layout=_layout())
+
+
+def _text(desc: str, placeholder: str = "") -> Callable[[], widgets.Widget]:
+    return lambda: widgets.Text(description=desc, placeholder=placeholder, style=_style(), layout=_layout(),
+                                continuous_update=False)
+
+
+def _combo(desc: str, options: list[str], placeholder: str) -> Callable[[], widgets.Widget]:
+    return lambda: widgets.Combobox(description=desc, options=options, placeholder=placeholder,
+                                    ensure_option=False, style=_style(), layout=_layout(),
+                                    continuous_update=False)
+
+
+def _dropdown(desc: str, options) -> Callable[[], widgets.Widget]:
+    return lambda: widgets.Dropdown(description=desc, options=options, style=_style(), layout=_layout())
+
+
+def _check(desc: str) -> Callable[[], widgets.Widget]:
+    return lambda: widgets.Checkbox(description=desc, indent=True, style=_style(), layout=_layout())
+
+
+def _with_widget(codec: Codec, make: Callable[[], widgets.Widget]) -> Codec:
+    codec.make = make
+    return codec
+
+
+_NONFINITE_DEFAULT = "default"
+
+
+def make_codecs(model_options: list[str], data_options: list[str], precision_disabled: dict,
+                method_disabled: dict, precision_tips: dict, method_tips: dict) -> dict[str, Codec]:
+    """A codec for every TrainConfig field, in declaration order."""
+    return {
+        "model": Codec(_combo("Model", model_options, "preset, Hub id (org/name) or local directory")),
+        "task": Codec(_dropdown("Task", [("causal LM (next token)", "causal-lm"),
+                                         ("sequence classification", "sequence-classification")])),
+        "data": Codec(_combo("Data", data_options, "builtin:<name>, a file/dir, or a dataset id")),
+        "text_column": Codec(_text("Text column")),
+        "label_column": Codec(_text("Label column")),
+        "max_seq_len": Codec(_int("Max seq len (tokens)")),
+        "subset": _with_widget(_optional_int("all examples"), _text("Subset (examples)", "all")),
+        "precision": Codec(lambda: Choice(("auto", "fp32", "tf32", "fp16", "bf16"), description="Precision",
+                                          disabled=precision_disabled, tooltips=precision_tips)),
+        "micro_batch_size": Codec(_int("Micro batch (examples)")),
+        "grad_accum_steps": Codec(_int("Accumulation steps")),
+        "method": Codec(lambda: Choice(("full", "lora", "qlora"), labels={"lora": "LoRA", "qlora": "QLoRA"},
+                                       description="Method", disabled=method_disabled, tooltips=method_tips)),
+        "lora_r": Codec(_int("LoRA rank r")),
+        "lora_alpha": Codec(_float("LoRA alpha")),
+        "lora_dropout": Codec(_float("LoRA dropout (0-1)")),
+        "lora_targets": Codec(_text("LoRA targets", "all-linear, or q_proj, v_proj"), encode_targets,
+                              decode_targets),
+        "quant_bits": Codec(_dropdown("Quantised base", [("4-bit (nf4)", 4), ("8-bit (int8)", 8)])),
+        "gradient_checkpointing": Codec(_check("Gradient checkpointing")),
+        "lr": Codec(_float("Learning rate")),
+        "weight_decay": Codec(_float("Weight decay")),
+        "scheduler": Codec(_dropdown("LR schedule", ["constant", "linear", "cosine"])),
+        "warmup_steps": Codec(_int("Warmup (steps)")),
+        "max_steps": _with_widget(_optional_int("using epochs"), _text("Max steps", "blank: use epochs")),
+        "epochs": _with_widget(_optional_float("using max_steps"), _text("Epochs", "blank: use max steps")),
+        "max_grad_norm": _with_widget(_optional_float("no clipping"), _text("Clip grad norm", "blank: off")),
+        "packing": Codec(_check("Packing (causal LM)")),
+        "eval_fraction": Codec(_float("Eval fraction (0-1)")),
+        "eval_every": _with_widget(_optional_int("evaluating only at the end"),
+                                   _text("Eval every (steps)", "blank: at the end")),
+        "log_every": Codec(_int("Log every (steps)")),
+        "seed": Codec(_int("Seed")),
+        "output_dir": _with_widget(_optional_str("not saving"), _text("Output dir", "blank: don't save")),
+        "nonfinite": Codec(_dropdown("Non-finite step", [("default (skip with scaler, else stop)",
+                                                          _NONFINITE_DEFAULT),
+                                                         ("skip it", "skip"), ("stop the run", "stop"),
+                                                         ("continue (apply it)", "continue")]),
+                           lambda v: _NONFINITE_DEFAULT if v is None else v,
+                           lambda x: None if x == _NONFINITE_DEFAULT else x),
+    }
+
+
+def yaml_codec(name: str) -> Codec:
+    """A text box read as YAML (numbers, null, lists): for a TrainConfig field this module does not know."""
+    import yaml
+
+    def encode(v) -> str:
+        return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+    def decode(text: str):
+        try:
+            return yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"not valid YAML: {e}") from None
+
+    return Codec(_text(name), encode, decode)
