@@ -70,7 +70,7 @@ class _Outcome:
 # ---------------------------------------------------------------------------------------------------------------
 def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16"), subset: Optional[int] = None,
             max_steps: Optional[int] = None, variants: Optional[Mapping[str, Mapping[str, Any]]] = None,
-            repeats: int = 1, callbacks=None) -> "ComparisonResult":
+            repeats: int = 1, callbacks=None, warmup: bool = True) -> "ComparisonResult":
     """Train ``cfg`` once per variant in this process and return a side-by-side ComparisonResult.
 
     Without ``variants`` there is one variant per name in ``precisions``. ``variants`` maps a name to
@@ -79,7 +79,9 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     for speedup and loss differences. A variant that is invalid here or fails becomes a row with the
     reason; the others still run. ``repeats`` > 1 runs every variant again, interleaved (A B C, A B C),
     and reports the median throughput and wall time; the curves are the first repeat's. ``callbacks``
-    (e.g. one LiveDashboard) see every variant's first repeat; records carry ``.variant``.
+    (e.g. one LiveDashboard) see every variant's first repeat; records carry ``.variant``. ``warmup``
+    first runs two untimed steps of the first variant, so that the reference does not pay alone for
+    what a process does once (lazy imports, kernel and allocator set-up) and look slow.
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"compare() takes a TrainConfig, got {type(cfg).__name__}")
@@ -100,7 +102,7 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
         if base.output_dir:  # one folder per variant, or they would overwrite each other's outputs
             o.config = o.config.replace(output_dir=str(Path(base.output_dir) / _slug(o.name)))
 
-    interrupted = False
+    interrupted = bool(warmup) and _warm_up(next((o.config for o in outcomes if o.config is not None), None))
     for r in range(int(repeats)):
         for o in outcomes:
             if interrupted or o.config is None or o.status in ("error", "out_of_memory"):
@@ -176,6 +178,20 @@ def _run_variant(o: _Outcome, cfg: TrainConfig, callbacks, first: bool):
         return None
 
 
+def _warm_up(cfg: Optional[TrainConfig]) -> bool:
+    """Two untimed steps of ``cfg``, results discarded; True when the user interrupted them."""
+    if cfg is None:
+        return False
+    try:
+        res = _loop._run(cfg.replace(max_steps=2, eval_every=None, output_dir=None), None)
+    except Exception:  # noqa: BLE001 - the timed run of this variant reports the failure in its row
+        return False
+    interrupted = res.summary["stopped_reason"] == "interrupted"
+    del res
+    _release_memory()
+    return interrupted
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
@@ -229,11 +245,18 @@ def _check_fairness(outcomes: list[_Outcome], reference: str) -> list[str]:
             if s.get(key) == ref_s.get(key):
                 continue
             explained = [f for f in changed if f in by_design]
+            same_examples = (set(explained) <= {"micro_batch_size", "grad_accum_steps"}
+                             and o.config.effective_batch_size == ref.config.effective_batch_size)
             if key == "data_hash" and s["steps"] != ref_s["steps"] and not unpaired:
                 # The data hash covers the steps a run took; a run that stopped early has a shorter one.
                 o.notes.append(f"data hash not comparable: {s['steps']} steps vs {ref_s['steps']}")
+            elif key == "data_hash" and explained and same_examples and not unpaired:
+                o.notes.append(f"data hash differs only by padding: micro-batches of {o.config.micro_batch_size} "
+                               f"are padded to their own longest row; every step holds the same "
+                               f"{o.config.effective_batch_size} examples (data/batching.py)")
             elif explained and not unpaired:
-                o.notes.append(f"{what} differ by design ({', '.join(explained)} differ)")
+                verb = "differs" if len(explained) == 1 else "differ"
+                o.notes.append(f"{what} differ by design ({', '.join(explained)} {verb})")
             else:
                 cause = (f"{', '.join(unpaired)} differs from {reference!r}" if unpaired
                          else "no config difference explains it")
@@ -416,7 +439,9 @@ class ComparisonResult:
     # -- text and HTML ------------------------------------------------------------------------------------
     def format_table(self) -> str:
         """The table as plain text for a terminal, with the notes and the fairness verdict below it."""
-        cols = [c for c in _TEXT_COLUMNS if c in self.table.columns and not self.table[c].isna().all()]
+        # Leave out what says nothing here: empty columns, and settings every variant shares.
+        cols = [c for c in _TEXT_COLUMNS if c in self.table.columns and not self.table[c].isna().all()
+                and not (c in ("micro_batch", "grad_accum", "method") and self.table[c].nunique() <= 1)]
         t = self.table[cols].copy()
         fmt = {"wall_s": "{:.1f}", "tokens_per_s": "{:,.0f}", "speedup": "{:.2f}x", "peak_vram_gib": "{:.2f}",
                "peak_host_rss_gib": "{:.2f}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}",

@@ -7,6 +7,8 @@ GradScaler refuse to unscale their gradients.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .loading import CAUSAL_LM, SEQ_CLS, ModelError, head_module_names, linear_module_names, \
@@ -88,7 +90,10 @@ def apply_lora(model: torch.nn.Module, cfg, task: str, checkpointing_enabled: bo
         # with a frozen embedding nothing before the first checkpointed block needs a gradient;
         # marking the embedding output keeps the recomputed blocks in the graph with any checkpoint style
         model.enable_input_require_grads()
-    return get_peft_model(model, lcfg)
+    with warnings.catch_warnings():
+        # peft reads a transformers attribute that is deprecated in 5.x; the notice is not for users
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lcfg)
 
 
 def prepare_qlora(model: torch.nn.Module, cfg) -> torch.nn.Module:

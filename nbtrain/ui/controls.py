@@ -8,7 +8,8 @@ next to the field name instead of raising.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import ipywidgets as widgets
 import traitlets

@@ -95,6 +95,8 @@ def fmt_gib(x: Optional[float]) -> str:
     """A memory size for people: GiB from 1 GiB up, else MiB (else KiB), three significant figures."""
     if x is None or not math.isfinite(x):
         return "?"
+    if abs(x) >= 1024:
+        return f"{x / 1024:.2f} TiB"
     if abs(x) >= 1:
         return f"{x:.2f} GiB"
     if abs(x) * 1024 >= 1:
@@ -124,15 +126,15 @@ class _PanelCallback:
 
     _MIN_INTERVAL = 0.25  # status updates per second are capped: each one is a message to the frontend
 
-    def __init__(self, panel: "Panel", job: _Job):
+    def __init__(self, panel: Panel, job: _Job):
         self.panel, self.job = panel, job
         self.total = None
         self.variant = None
         self._last = 0.0
 
     def on_run_start(self, info) -> None:
-        if self.job.stop.is_set():   # Stop during a comparison: skip the variants still to come
-            raise StopTraining
+        # A Stop during a comparison ends each later variant at its first step (on_step_end below), so
+        # its row says "stopped"; raising here would end it with no steps but an untrue "max_steps".
         self.total, self.variant = info.total_steps, info.variant
         where = f"{info.device} · {info.precision_used}" + (" + GradScaler" if info.scaler_enabled else "")
         self.panel._set_status(f"running{self._name()}: step 0/{self.total} ({where})", _GREY)
@@ -176,6 +178,7 @@ class Panel:
         self.comparison = None
         self.dashboard = None
         self.memory_estimate = None
+        self.comparison_table = None
         self.errors: list[dict] = []
         self._job: Optional[_Job] = None
         self._compare_thread: Optional[threading.Thread] = None
@@ -370,8 +373,7 @@ class Panel:
         self._update_precision_info(raw)
         self._update_accumulation_info(raw)
         self._update_method_fields(raw)
-        cfg, errors = self._validate()
-        self._show_errors(errors)
+        self._show_errors(self._validate()[1])
         self._schedule_memory()
 
     def _show_errors(self, errors: list[dict]) -> None:
@@ -503,7 +505,7 @@ class Panel:
 
     def refresh_memory(self):
         """Recompute the memory readout now from the current values; returns the MemoryEstimate (None if invalid)."""
-        cfg, errors = self._validate()
+        cfg = self._validate()[0]
         if cfg is None:
             self.memory_estimate = None
             self.memory.value = "<b>Memory</b>: " + _small("— fix the settings above to see the estimate")
@@ -618,8 +620,7 @@ class Panel:
 
         def work():
             try:
-                cmp = compare(cfg, precisions=precisions, subset=cfg.subset, max_steps=cfg.max_steps,
-                              callbacks=callbacks)
+                cmp = compare(cfg, precisions=precisions, callbacks=callbacks)
             except BaseException as e:
                 self._finish(job, error=e)
             else:
@@ -657,8 +658,10 @@ class Panel:
             if error is not None:
                 msg = f"{type(error).__name__}: {error}"
                 self._set_status(f"error: {_esc(msg)}", _RED)
+                # Errors like DataError("data: ...") name a field: mark it too, so the fix is one look away.
                 field = getattr(error, "field", None) or str(error).split(":", 1)[0].strip()
-                self._show_errors([{"field": field if field in self.controls else "run", "message": str(error)}])
+                if field in self.controls:
+                    self._show_errors([{"field": field, "message": str(error)}])
             elif job.kind == "train":
                 self.result = result
                 self._set_status(_result_line(result), _GREEN if _reason(result) != "stopped" else _AMBER)
@@ -729,6 +732,10 @@ def _result_line(result) -> str:
     return _esc(f"{head} — " + " · ".join(bits) + (f" ({reason})" if reason in ("max_steps", "epochs") else ""))
 
 
+def _share(frac: float) -> str:
+    return f"({100 * frac:.1f}% of it)" if frac < 10 else f"({frac:,.0f}× what there is)"
+
+
 def memory_html(est, device: str = "") -> str:
     """The memory readout: total vs device memory, fits or not, the breakdown, and the first advice."""
     total, dev = getattr(est, "total_gib", None), getattr(est, "device_total_gib", None)
@@ -745,14 +752,18 @@ def memory_html(est, device: str = "") -> str:
                f"border-radius:4px'></div></div>")
     where = f" ({_esc(device)})" if device else ""
     head = (f"<b>Memory</b> ≈ <b>{fmt_gib(total)}</b> of {fmt_gib(dev)}{where}{bar}{verdict}"
-            + (f" {_small(f'({100 * frac:.1f}%)')}" if frac is not None and math.isfinite(frac) else ""))
+            + (f" {_small(_share(frac))}" if frac is not None and math.isfinite(frac) else ""))
     parts = []
     for key, label in (("weights_gib", "weights"), ("gradients_gib", "gradients"), ("optimizer_gib", "optimizer"),
-                       ("activations_gib", "activations"), ("overhead_gib", "overhead")):
+                       ("activations_gib", "activations"), ("logits_gib", "logits + loss"),
+                       ("overhead_gib", "overhead")):
         v = getattr(est, key, None)
         if isinstance(v, (int, float)):
             parts.append(f"{label} {fmt_gib(v)}")
     lines = [head]
+    phase = getattr(est, "peak_phase", "")
+    if phase:
+        parts.append(f"peak during {_esc(phase)}")
     if parts:
         lines.append(_small(" · ".join(parts)))
     advice = list(getattr(est, "advice", None) or [])

@@ -1,0 +1,797 @@
+"""Estimate the memory a TrainConfig needs, from the model's config alone: ``estimate_memory(cfg)``.
+
+Nothing is loaded or run: the architecture is built on the ``meta`` device (exact parameter counts,
+no weights), LoRA adapters are applied there by peft with the same ``LoraConfig`` the trainer uses,
+and the rest is arithmetic. The model follows what nbtrain's loop does (``nbtrain.engine.loop``):
+fp32 master weights, the forward under ``torch.autocast`` (bf16/fp16) or plain fp32/tf32, the loss
+``cross_entropy(logits[:, :-1].float(), ...)`` outside autocast, ``backward()``, then AdamW and
+``zero_grad(set_to_none=True)``.
+
+Notation: B = micro_batch_size, T = max_seq_len, N = B*T tokens per micro-batch, N' = B*(T-1)
+loss targets, h = hidden size, a = heads*head_dim, kv = kv_heads*head_dim, i = intermediate size,
+V = vocabulary (or number of labels), s = autocast bytes (2 under bf16/fp16, 4 under fp32/tf32).
+
+Parts (bytes):
+
+* weights: full/LoRA: 4 per parameter (adapters included). QLoRA: quantised Linear weights
+  (every Linear of the decoder; not the embeddings, norms, output layer or a classifier head)
+  take 4-bit nf4 with double quantisation: ceil(n/2) packed + ceil(n/64) 8-bit absmax (block 64)
+  + 4*ceil(n/64/256) second-level absmax + 1,088 bytes of code tables and offset per layer
+  (~0.127 bits/param beyond the 4); 8-bit: n int8 + 4*out_features row scales. Others: 4 bytes.
+* gradients: 4 per trainable parameter (fp32, ``.grad``).
+* optimizer: AdamW's exp_avg and exp_avg_sq, 8 bytes per trainable parameter, plus the 4-byte
+  ``step`` tensor of each trainable tensor.
+* activations: the tensors autograd saves for backward, traced op by op through a Llama-style
+  decoder layer (RMSNorm -> q/k/v/o -> RoPE -> SDPA -> residual -> RMSNorm -> gate/up/down SiLU MLP):
+  with full fine-tuning under bf16 autocast this is ``26h + 4a + 4kv + 8i + 8 + 4*heads`` bytes per
+  token per layer, under fp32 ``24h + 8a + 8kv + 16i + 8 + 4*heads``, plus under autocast a bf16
+  copy of every Linear weight whose input needs a gradient (2 bytes/param; the LoRA base and the
+  output layer too). LoRA adds, per adapted Linear, a dropout mask (1 byte/element on CUDA, the
+  input dtype on CPU), the adapter's input cast (s bytes/element) and r*s. SDPA is assumed to use a
+  memory-efficient kernel (flash / cuDNN / efficient on CUDA, flash on CPU): q, k, v, out and the
+  fp32 log-sum-exp, linear in T; full-length rows, no padding mask. With gradient checkpointing
+  each layer keeps only its fp32 input (4h per token); one layer is recomputed at a time in backward.
+* logits and loss: the logits N*V*s stay alive through backward (the loop holds them); the loss
+  adds a fp32 copy and log_softmax's output, and its backward the two fp32 gradients: 12*N'*V at
+  the peak (often the largest single term for small models with big vocabularies).
+* overhead: on CUDA the context and cuBLAS workspaces (~0.5 GiB, constant) plus the caching
+  allocator's slack (10% of the tensor peak); on CPU only the slack (5%).
+
+The total is not the sum of the parts: it is the peak of a timeline of one training step. Weights
+and optimizer state are always there; gradients (``set_to_none``) appear during backward, as the
+activations they replace are freed. So the peak is the largest of: the end of the forward,
+the loss backward (all activations + logits + 12*N'*V), the output layer's backward, each decoder
+layer's backward (remaining activations + gradients so far + that layer's transient, and its
+recomputation under checkpointing), the embedding's backward, and the optimizer step. With
+``grad_accum_steps > 1`` the gradients of the earlier micro-batches coexist with the activations.
+
+Advice (only when the total does not fit) follows the out-of-memory flow: (1) lower
+micro_batch_size and raise grad_accum_steps to keep the effective batch, (2) enable gradient
+checkpointing, (3) switch full -> LoRA -> QLoRA, (4) shorten max_seq_len. Each item is cumulative:
+its ``change`` holds all overrides so far, so ``cfg.replace(**advice[k].change)`` is the config whose
+estimate ``advice[k].total_gib`` is; the list stops at the first that fits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .config import ConfigError, TrainConfig
+from .hardware import capabilities, resolve_precision
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # context, kernels' modules and cuBLAS workspaces, outside torch's allocator
+SLACK = {"cuda": 0.10, "cpu": 0.05}  # caching-allocator rounding and fragmentation, share of the tensor peak
+NF4_BLOCK = 64                       # bitsandbytes' 4-bit block size
+NF4_BLOCK2 = 256                     # block size of the double-quantised absmax
+NF4_TABLES = 256 * 4 + 16 * 4 + 4    # per layer: second-level code, nf4 code, offset (fp32)
+STEP_BYTES = 4                       # AdamW's per-tensor ``step`` (fp32 scalar)
+
+_LLAMA_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+                "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Advice:
+    """One change of the out-of-memory flow: cumulative TrainConfig overrides and the estimate they give."""
+
+    change: dict[str, Any]
+    description: str
+    total_gib: float
+    fits: bool
+
+
+@dataclass
+class MemoryEstimate:
+    """The memory one training step of ``config`` needs, by part, with the peak and advice."""
+
+    weights_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    logits_gib: float
+    overhead_gib: float
+    total_gib: float
+    device: str
+    device_total_gib: float
+    fits: bool
+    trainable_params: int
+    total_params: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    advice: list[Advice]
+    config: TrainConfig
+    precision: str = "fp32"
+    peak_phase: str = ""
+    tensors_peak_gib: float = 0.0    # the timeline's peak without overhead: compare with max_memory_allocated
+    notes: list[str] = field(default_factory=list)
+
+    _ROWS = (("weights", "weights_gib"), ("gradients", "gradients_gib"), ("optimizer", "optimizer_gib"),
+             ("activations", "activations_gib"), ("logits + loss", "logits_gib"), ("overhead", "overhead_gib"),
+             ("total (peak)", "total_gib"))
+
+    def table(self):
+        """The parts as a DataFrame (part, GiB); the total is the step's peak, not their sum."""
+        import pandas as pd
+
+        return pd.DataFrame([(name, getattr(self, attr)) for name, attr in self._ROWS], columns=["part", "GiB"])
+
+    def versus(self, measured_peak_gib: float | Any) -> dict[str, float]:
+        """Estimated tensor peak beside a measured one (a GiB value, or a TrainResult's summary peak)."""
+        if hasattr(measured_peak_gib, "summary"):
+            measured_peak_gib = measured_peak_gib.summary.get("peak_vram_gib")
+        if measured_peak_gib is None:
+            raise ValueError("no measured peak: peak_vram_gib is None (a CPU run has no device peak)")
+        m = float(measured_peak_gib)
+        return {"estimated_gib": self.tensors_peak_gib, "measured_gib": m,
+                "ratio": self.tensors_peak_gib / m if m else math.inf}
+
+    def __str__(self) -> str:
+        return format_estimate(self)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{name}</td><td style='text-align:right'>{getattr(self, attr):,.2f}</td></tr>"
+                       for name, attr in self._ROWS)
+        verdict = "fits" if self.fits else "does not fit"
+        adv = ""
+        if self.advice:
+            items = "".join(f"<li>{a.description}: {a.total_gib:,.2f} GiB{' (fits)' if a.fits else ''}</li>"
+                            for a in self.advice)
+            adv = f"<p>To make it fit, in order:</p><ol>{items}</ol>"
+        notes = "".join(f"<br><small>{n}</small>" for n in self.notes)
+        return (f"<b>Memory estimate</b> ({self.precision}, {self.config.method}, micro batch "
+                f"{self.config.micro_batch_size} x seq {self.config.max_seq_len})"
+                f"<table><tr><th>part</th><th>GiB</th></tr>{rows}</table>"
+                f"<p>{self.device}: {self.device_total_gib:,.1f} GiB, <b>{verdict}</b>; peak at "
+                f"{self.peak_phase}.{notes}</p>{adv}")
+
+
+def format_estimate(est: MemoryEstimate) -> str:
+    """The text table ``nbtrain estimate`` prints: the parts, the peak, the verdict and any advice."""
+    cfg = est.config
+    lines = [f"memory estimate: {cfg.model} {cfg.task}, {cfg.method}, {est.precision}, micro batch "
+             f"{cfg.micro_batch_size} x accum {cfg.grad_accum_steps}, seq {cfg.max_seq_len}"
+             f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}",
+             f"  parameters: {est.total_params:,} ({est.trainable_params:,} trainable)", ""]
+    width = max(len(n) for n, _ in est._ROWS)
+    lines.append(f"  {'part':<{width}}  {'GiB':>9}")
+    for name, attr in est._ROWS:
+        if name.startswith("total"):
+            lines.append(f"  {'-' * width}  {'-' * 9}")
+        lines.append(f"  {name:<{width}}  {getattr(est, attr):>9.2f}")
+    lines.append("")
+    lines.append(f"  the total is the step's peak ({est.peak_phase}), not the sum of the parts: gradients are")
+    lines.append("  created in backward as the activations are freed")
+    verdict = "fits" if est.fits else "DOES NOT FIT"
+    lines.append(f"  {est.device}: {est.device_total_gib:.2f} GiB -> {verdict}")
+    for n in est.notes:
+        lines.append(f"  note: {n}")
+    if est.advice:
+        lines.append("")
+        lines.append("  to make it fit (each step keeps the previous ones):")
+        for k, a in enumerate(est.advice, 1):
+            lines.append(f"  {k}. {a.description}: {a.total_gib:.2f} GiB{'  fits' if a.fits else ''}")
+        last = est.advice[-1]
+        sets = " ".join(f"--set {k}={v}" for k, v in last.change.items())
+        lines.append(f"  {'use' if last.fits else 'closest'}: {sets}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The architecture, from the config only
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Linear:
+    name: str          # qualified module name in the (un-wrapped) model
+    leaf: str
+    layer: Optional[int]
+    n_in: int
+    n_out: int
+    weight: int        # weight elements
+    bias: int
+
+
+@dataclass(frozen=True)
+class _Arch:
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int              # output width of the head: the vocabulary, or the number of labels
+    tied: bool
+    llama_like: bool        # the decoder layer is modelled op by op (else approximated with the same shapes)
+    linears: tuple[_Linear, ...]
+    head: Optional[str]     # module name of the output layer / classifier
+    params: tuple[tuple[str, int, bool], ...]   # (name, numel, 2-D weight of a Linear) for every parameter
+    total_params: int
+
+
+def _layer_index(name: str, n_layers: int) -> Optional[int]:
+    parts = name.split(".")
+    for k, p in enumerate(parts[:-1]):
+        if p.isdigit() and k > 0 and parts[k - 1] in ("layers", "layer", "h", "blocks", "block"):
+            i = int(p)
+            return i if i < n_layers else None
+    return None
+
+
+def _meta_model(cfg: TrainConfig, num_labels: int):
+    from .models.loading import meta_model
+
+    return meta_model(cfg.model, cfg.task, num_labels, local_only=False)
+
+
+def _config_stamp(model: str) -> Optional[float]:
+    f = Path(model).expanduser() / "config.json"
+    return f.stat().st_mtime if f.is_file() else None
+
+
+@functools.lru_cache(maxsize=32)
+def _arch(model: str, task: str, num_labels: int, stamp: Optional[float]) -> _Arch:
+    import torch
+
+    cfg = TrainConfig.model_construct(model=model, task=task)
+    m = _meta_model(cfg, num_labels)
+    c = m.config.get_text_config() if hasattr(m.config, "get_text_config") else m.config
+    hidden = int(getattr(c, "hidden_size", 0) or getattr(c, "n_embd", 0) or getattr(c, "d_model", 0))
+    layers = int(getattr(c, "num_hidden_layers", 0) or getattr(c, "n_layer", 0) or getattr(c, "num_layers", 0))
+    heads = int(getattr(c, "num_attention_heads", 0) or getattr(c, "n_head", 0) or 1)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
+    inter = int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden)
+    linears, seen = [], set()
+    for name, mod in m.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            linears.append(_Linear(name, name.rsplit(".", 1)[-1], _layer_index(name, layers), mod.in_features,
+                                   mod.out_features, mod.weight.numel(),
+                                   mod.bias.numel() if mod.bias is not None else 0))
+    lin_weights = {f"{l.name}.weight" for l in linears}
+    params = []
+    for name, p in m.named_parameters():   # tied parameters are yielded once
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params.append((name, p.numel(), name in lin_weights))
+    out = m.get_output_embeddings() if task == "causal-lm" else None
+    head = None
+    if out is not None:
+        head = next((n for n, mod in m.named_modules() if mod is out), None)
+    else:
+        from .models.loading import head_module_names
+
+        names = head_module_names(m)
+        head = next((l.name for l in linears if names and l.name.split(".")[0] in names), None)
+    head_out = next((l.n_out for l in linears if l.name == head), int(getattr(c, "vocab_size", 0) or 0))
+    emb = m.get_input_embeddings()
+    tied = bool(out is not None and emb is not None and out.weight is emb.weight)
+    layer_leaves = {l.leaf for l in linears if l.layer is not None}
+    llama_like = set(_LLAMA_ROLES) <= layer_leaves
+    return _Arch(model_type=str(getattr(c, "model_type", type(m).__name__)), hidden=hidden, layers=layers,
+                 heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=inter, vocab=head_out, tied=tied,
+                 llama_like=llama_like, linears=tuple(linears), head=head, params=tuple(params),
+                 total_params=sum(n for _, n, _ in params))
+
+
+@functools.lru_cache(maxsize=64)
+def _adapters(model: str, task: str, num_labels: int, stamp: Optional[float], lora_r: int,
+              targets: tuple[str, ...] | str) -> tuple[dict[str, int], dict[str, int], int]:
+    """({adapted Linear name: adapter params}, {name: params} of other trainable tensors (heads),
+    number of trainable tensors), from peft applied to the meta model with the trainer's LoraConfig."""
+    from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    from .models.methods import lora_config
+
+    cfg = TrainConfig.model_construct(model=model, task=task, lora_r=lora_r, lora_alpha=16, lora_dropout=0.0,
+                                      lora_targets=targets if isinstance(targets, str) else list(targets))
+    m = _meta_model(cfg, num_labels)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    pm = get_peft_model(m, lora_config(cfg, m, task))
+    prefix = "base_model.model."
+    adapted, others, n_tensors = {}, {}, 0
+    lora_mods = {n for n, mod in pm.named_modules() if isinstance(mod, LoraLayer)}
+    for name, p in pm.named_parameters():
+        if not p.requires_grad:
+            continue
+        n_tensors += 1
+        owner = next((lm for lm in lora_mods if name.startswith(lm + ".lora_")), None)
+        if owner is not None:
+            key = owner[len(prefix):] if owner.startswith(prefix) else owner
+            adapted[key] = adapted.get(key, 0) + p.numel()
+        else:
+            others[name] = p.numel()
+    return adapted, others, n_tensors
+
+
+def _quant_skip(model: str, task: str, num_labels: int, arch: _Arch) -> set[str]:
+    """Linear modules bitsandbytes leaves unquantised, as transformers decides (output layer, heads)."""
+    if task == "sequence-classification":
+        from .models.loading import head_module_names
+
+        m = _meta_model(TrainConfig.model_construct(model=model, task=task), num_labels)
+        keys = head_module_names(m)
+    else:
+        try:
+            from transformers.quantizers.base import get_keys_to_not_convert
+
+            keys = get_keys_to_not_convert(_meta_model(TrainConfig.model_construct(model=model, task=task),
+                                                       num_labels))
+        except Exception:  # an older transformers: the output layer is what it skips
+            keys = [arch.head] if arch.head else []
+    skip = set()
+    for l in arch.linears:
+        if any(l.name == k or l.name.startswith(k + ".") or l.name.endswith(k) for k in keys):
+            skip.add(l.name)
+    return skip
+
+
+def _nf4_bytes(n: int) -> int:
+    blocks = math.ceil(n / NF4_BLOCK)
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_BLOCK2) + NF4_TABLES
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activations: a symbolic trace of what autograd saves
+# ---------------------------------------------------------------------------------------------------------------
+class _T:
+    """A tensor of the trace: ``elems`` per token, ``size`` bytes per element, requires grad or not."""
+
+    __slots__ = ("elems", "size", "rg")
+
+    def __init__(self, elems: int, size: int, rg: bool):
+        self.elems, self.size, self.rg = elems, size, rg
+
+
+@dataclass
+class _Lin:
+    n_in: int
+    n_out: int
+    weight: int
+    kind: str          # "trainable" | "frozen" | "quant"
+    lora_r: int = 0    # 0: no adapter
+
+
+class _Trace:
+    """Saved tensors of one decoder layer (or the head) per token, plus token-independent copies."""
+
+    def __init__(self, ac: Optional[int], mask_bytes: Optional[int], dropout: bool):
+        self.ac = ac                  # autocast element size, None without autocast
+        self.mask_bytes = mask_bytes  # dropout mask bytes per element (None: the input's dtype)
+        self.dropout = dropout
+        self.saved: dict[int, _T] = {}
+        self.const = 0                # weight copies saved for backward (bytes)
+        self.cache = 0                # weight copies autocast caches for the forward (trainable leaves)
+
+    def save(self, t: _T) -> None:
+        self.saved[id(t)] = t
+
+    @property
+    def per_token(self) -> int:
+        return sum(t.elems * t.size for t in self.saved.values())
+
+    def cast(self, x: _T) -> _T:
+        return x if self.ac is None or x.size == self.ac else _T(x.elems, self.ac, x.rg)
+
+    def linear(self, x: _T, spec: _Lin) -> _T:
+        trainable = spec.kind == "trainable"
+        if spec.kind == "quant":
+            # bitsandbytes keeps only the packed weight for backward and returns the input's dtype
+            out = _T(spec.n_out, x.size, x.rg)
+        else:
+            xin = self.cast(x)
+            if trainable:
+                self.save(xin)
+                if self.ac:
+                    self.cache += 2 * spec.weight
+            if x.rg and self.ac:
+                self.const += 2 * spec.weight   # the cast weight, for the input's gradient
+            out = _T(spec.n_out, self.ac or 4, x.rg or trainable)
+        if not spec.lora_r:
+            return out
+        r = spec.lora_r
+        # peft casts the input to the adapter's dtype (fp32), drops out, then lora_A and lora_B
+        xl = x if x.size == 4 else _T(x.elems, 4, x.rg)
+        xd = xl
+        if self.dropout:
+            if xl.rg:
+                self.save(_T(xl.elems, self.mask_bytes or xl.size, False))
+            xd = _T(xl.elems, 4, xl.rg)
+        self.save(self.cast(xd))
+        a_out = _T(r, self.ac or 4, True)
+        self.save(a_out)
+        if self.ac:
+            self.const += 2 * r * (spec.n_in + spec.n_out)
+            self.cache += 2 * r * (spec.n_in + spec.n_out)
+        return _T(spec.n_out, max(out.size, self.ac or 4), True)
+
+    def rmsnorm(self, x: _T, trainable: bool) -> _T:
+        if not (x.rg or trainable):
+            return _T(x.elems, 4, False)
+        xf = x if x.size == 4 else _T(x.elems, 4, x.rg)
+        if x.rg:
+            self.save(xf)
+            self.save(_T(1, 4, True))              # rsqrt of the variance
+        if trainable:
+            normed = _T(x.elems, 4, x.rg)
+            self.save(normed if x.size == 4 else _T(x.elems, x.size, x.rg))
+        return _T(x.elems, 4, x.rg or trainable)
+
+    def rope(self, q: _T) -> _T:
+        return _T(q.elems, max(q.size, 4), q.rg)   # cos/sin are fp32: q * cos promotes
+
+    def sdpa(self, q: _T, k: _T, v: _T, heads: int) -> _T:
+        q2, k2, v2 = self.cast(q), self.cast(k), self.cast(v)
+        rg = q.rg or k.rg or v.rg
+        out = _T(q.elems, self.ac or 4, rg)
+        if rg:
+            for t in (q2, k2, v2, out):
+                self.save(t)
+            self.save(_T(heads, 4, False))         # log-sum-exp
+        return out
+
+    def mul(self, a: _T, b: _T) -> _T:
+        if a.rg:
+            self.save(b)
+        if b.rg:
+            self.save(a)
+        return _T(a.elems, max(a.size, b.size), a.rg or b.rg)
+
+
+def _trace_layer(tr: _Trace, x: _T, lin: dict[str, _Lin], norms_trainable: bool, arch: _Arch) -> _T:
+    """One Llama-style decoder layer; returns its output (the next residual)."""
+    xn = tr.rmsnorm(x, norms_trainable)
+    q, k, v = tr.linear(xn, lin["q"]), tr.linear(xn, lin["k"]), tr.linear(xn, lin["v"])
+    attn = tr.sdpa(tr.rope(q), tr.rope(k), v, arch.heads)
+    o = tr.linear(attn, lin["o"])
+    r = _T(x.elems, max(x.size, o.size), x.rg or o.rg)
+    xn2 = tr.rmsnorm(r, norms_trainable)
+    g, u = tr.linear(xn2, lin["gate"]), tr.linear(xn2, lin["up"])
+    if g.rg:
+        tr.save(g)                                  # SiLU keeps its input
+    act = _T(g.elems, g.size, g.rg)
+    d = tr.linear(tr.mul(act, u), lin["down"])
+    return _T(x.elems, max(r.size, d.size), r.rg or d.rg)
+
+
+def _layer_specs(arch: _Arch, layer: int, method: str, adapted: dict[str, int], r: int) -> dict[str, _Lin]:
+    """The seven projections of decoder layer ``layer`` with how each one trains."""
+    kind = {"full": "trainable", "lora": "frozen", "qlora": "quant"}[method]
+    by_role = {}
+    for l in arch.linears:
+        if l.layer == layer and l.leaf in _LLAMA_ROLES:
+            by_role[_LLAMA_ROLES[l.leaf]] = _Lin(l.n_in, l.n_out, l.weight, kind,
+                                                 r if l.name in adapted else 0)
+    if len(by_role) < 7:  # not Llama-shaped: the same sizes, every projection treated alike
+        h, a, kvd, i = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.intermediate
+        lr = r if method != "full" and adapted else 0
+        shapes = {"q": (h, a), "k": (h, kvd), "v": (h, kvd), "o": (a, h), "gate": (h, i), "up": (h, i),
+                  "down": (i, h)}
+        by_role = {role: _Lin(n_in, n_out, n_in * n_out, kind, lr) for role, (n_in, n_out) in shapes.items()}
+    return by_role
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Parts:
+    weights: int
+    grads: int
+    optim: int
+    acts: int          # everything saved for backward except logits/loss, at the loss backward
+    logits: int        # logits + loss tensors at their peak
+    peak: int          # timeline peak of tensor bytes
+    phase: str
+    trainable: int
+    total: int
+    notes: list[str]
+
+
+def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _Parts:
+    task, method = cfg.task, cfg.method
+    stamp = _config_stamp(cfg.model)
+    arch = _arch(cfg.model, task, num_labels, stamp)
+    notes: list[str] = []
+    h, L = arch.hidden, arch.layers
+    B, T = cfg.micro_batch_size, cfg.max_seq_len
+    N = B * T
+    ac = 2 if precision in ("bf16", "fp16") else None
+    s = ac or 4
+
+    # -- exact parts: parameters, gradients, optimizer state --------------------------------------------------
+    params = {name: n for name, n, _ in arch.params}
+    lin_by_weight = {f"{l.name}.weight": l for l in arch.linears}
+    adapted: dict[str, int] = {}
+    if method == "full":
+        trainable = arch.total_params
+        n_tensors = len(arch.params)
+        total = arch.total_params
+        extra_params = 0
+    else:
+        targets = cfg.lora_targets if isinstance(cfg.lora_targets, str) else tuple(cfg.lora_targets)
+        adapted, others, n_tensors = _adapters(cfg.model, task, num_labels, stamp, cfg.lora_r, targets)
+        extra_params = sum(adapted.values()) + sum(others.values())   # heads under modules_to_save are copies
+        trainable = extra_params
+        total = arch.total_params + extra_params
+    if method == "qlora":
+        skip = _quant_skip(cfg.model, task, num_labels, arch)
+        weights = 4 * extra_params
+        for name, n in params.items():
+            l = lin_by_weight.get(name)
+            if l is None or l.name in skip:
+                weights += 4 * n
+            elif cfg.quant_bits == 4:
+                weights += _nf4_bytes(n)
+            else:
+                weights += n + 4 * l.n_out
+    else:
+        weights = 4 * total
+    grads = 4 * trainable
+    optim = 8 * trainable + STEP_BYTES * n_tensors
+
+    # -- activations: trace one representative layer (and the first, whose input may need no gradient) -------
+    full = method == "full"
+    ckpt = cfg.gradient_checkpointing
+    mask = 1 if device == "cuda" else None
+    r = cfg.lora_r
+    if not arch.llama_like:
+        notes.append(f"{arch.model_type}: activations approximated with a Llama-style layer of the same sizes")
+
+    def layer_trace(idx: int, x_rg: bool) -> tuple[_Trace, _T]:
+        tr = _Trace(ac, mask, method != "full" and cfg.lora_dropout > 0)
+        out = _trace_layer(tr, _T(h, 4, x_rg), _layer_specs(arch, idx, method, adapted, r), full, arch)
+        return tr, out
+
+    emb_rg = full or ckpt            # the embedding trains, or checkpointing marks its output
+    tr0, out0 = layer_trace(0, emb_rg)
+    tr1, _ = layer_trace(min(1, L - 1), True) if L > 1 else (tr0, out0)
+    layer_tokens = [tr0.per_token] + [tr1.per_token] * (L - 1)
+    layer_const = [tr0.const] + [tr1.const] * (L - 1)
+    layer_cache = [tr0.cache] + [tr1.cache] * (L - 1)
+    rope_bytes = 2 * arch.head_dim * 4 * T       # cos and sin, fp32, shared by all layers
+    ids_bytes = 8 * N if full else 0             # the embedding's backward keeps the token ids
+
+    # the head: final norm, then the output layer / classifier
+    head_l = next((l for l in arch.linears if l.name == arch.head), None)
+    head_weight = head_l.weight if head_l else arch.vocab * h
+    head_trainable = full or task == "sequence-classification"
+    trh = _Trace(ac, mask, False)
+    xf = trh.rmsnorm(_T(h, 4, True), full)
+    logits_t = trh.linear(xf, _Lin(h, arch.vocab, head_weight, "trainable" if head_trainable else "frozen"))
+    head_saved = trh.per_token * N + trh.const
+
+    if task == "causal-lm":
+        n_tgt = B * (T - 1)
+        logits = N * arch.vocab * logits_t.size
+        loss_bwd = 12 * n_tgt * arch.vocab      # log_softmax output + its two fp32 gradients
+        grad_logits = N * arch.vocab * logits_t.size
+    else:
+        logits = N * arch.vocab * logits_t.size  # the head runs on every position, then pools
+        loss_bwd = 12 * B * arch.vocab
+        grad_logits = logits
+
+    # parameter gradients by where backward creates them
+    head_names = {f"{arch.head}.weight", f"{arch.head}.bias"} if arch.head else set()
+    if full:
+        g_layer = [0] * L
+        g_head = g_emb = g_other = 0
+        for name, n, _ in arch.params:
+            li = _layer_index(name, L)
+            if li is not None:
+                g_layer[li] += 4 * n
+            elif name in head_names:
+                g_head += 4 * n
+            elif "embed" in name or name.endswith("wte.weight") or name.endswith("wpe.weight"):
+                g_emb += 4 * n
+            else:
+                g_other += 4 * n
+    else:
+        g_layer = [0] * L
+        for name, n in adapted.items():
+            li = _layer_index(name, L)
+            if li is not None:
+                g_layer[li] += 4 * n
+        g_head = grads - sum(g_layer)
+        g_emb = g_other = 0
+
+    # -- the timeline -----------------------------------------------------------------------------------------
+    G = grads
+    accum = cfg.grad_accum_steps > 1
+    G0 = G if accum else 0            # earlier micro-batches' gradients, present all through the last one
+    if ckpt:
+        kept = [4 * h * N] * L         # each checkpointed layer keeps its fp32 input
+    else:
+        kept = [layer_tokens[k] * N + layer_const[k] for k in range(L)]
+    acts = sum(kept) + rope_bytes + ids_bytes + head_saved
+    phases: dict[str, int] = {}
+
+    # forward end, still inside autocast: the autocast cache holds the trainable weights' copies
+    cache_only = sum(layer_cache) if ckpt else 0
+    fwd_transient = (layer_tokens[-1] * N + layer_const[-1]) if ckpt else 0
+    phases["forward"] = G0 + acts + cache_only + logits + fwd_transient
+    phases["loss backward"] = G0 + acts + logits + loss_bwd
+    # the output layer's backward: its input gradient, and its weight gradient when it trains
+    gw = (head_weight * (s + 4 if ac else 4)) if head_trainable else 0
+    phases["output layer backward"] = (G0 + acts + logits + grad_logits + 4 * h * N + 2 * gw
+                                       if accum else G0 + acts + logits + grad_logits + 4 * h * N + gw)
+    # decoder layers, last to first: activations go, gradients come
+    remaining = acts - head_saved
+    g_so_far = g_head + g_other
+    worst, worst_at = 0, ""
+    for k in reversed(range(L)):
+        layer_act = layer_tokens[k] * N
+        transient = _BWD_TRANSIENT * layer_act + 2 * 4 * h * N
+        if ckpt:
+            transient += layer_act + layer_const[k]        # the recomputed layer
+        new_grad = g_layer[k]
+        here = G0 + remaining + logits + (0 if accum else g_so_far) + transient + (new_grad if accum else new_grad)
+        if here > worst:
+            worst, worst_at = here, f"layer {k} backward"
+        remaining -= kept[k]
+        g_so_far += g_layer[k]
+    phases["decoder backward"] = worst
+    # the embedding: a dense gradient; with tied weights it is summed with the output layer's
+    emb_extra = 0
+    if full and g_emb:
+        emb_extra = 2 * g_emb if arch.tied else (g_emb if accum else 0)
+    phases["embedding backward"] = G + logits + emb_extra + (0 if arch.tied or accum else 0)
+    phases["optimizer step"] = G
+    phase = max(phases, key=phases.get)
+    if phase == "decoder backward":
+        phase_name = worst_at
+    else:
+        phase_name = phase
+    peak = weights + optim + phases[phase]
+    logits_part = logits + loss_bwd
+    if not arch.llama_like:
+        pass
+    return _Parts(weights=weights, grads=grads, optim=optim, acts=acts, logits=logits_part, peak=peak,
+                  phase=phase_name, trainable=trainable, total=total, notes=notes)
+
+
+_BWD_TRANSIENT = 0.0   # share of a layer's saved activations alive as gradients inside its backward
+
+
+def _num_labels(cfg: TrainConfig) -> int:
+    return 2   # the estimate cannot know the dataset's labels; a head of 2 is a rounding error
+
+
+def _estimate(cfg: TrainConfig, device: str, device_total_gib: float, device_name: str) -> MemoryEstimate:
+    precision = _precision(cfg, device)
+    p = _parts(cfg, precision, device, _num_labels(cfg))
+    slack = SLACK.get(device, 0.05)
+    overhead = (CUDA_CONTEXT_BYTES if device == "cuda" else 0) + slack * p.peak
+    total = p.peak + overhead
+    return MemoryEstimate(
+        weights_gib=p.weights / GIB, gradients_gib=p.grads / GIB, optimizer_gib=p.optim / GIB,
+        activations_gib=p.acts / GIB, logits_gib=p.logits / GIB, overhead_gib=overhead / GIB,
+        total_gib=total / GIB, device=device_name, device_total_gib=float(device_total_gib),
+        fits=total / GIB <= device_total_gib, trainable_params=p.trainable, total_params=p.total,
+        weights_bytes=p.weights, gradients_bytes=p.grads, optimizer_bytes=p.optim, advice=[], config=cfg,
+        precision=precision, peak_phase=p.phase, tensors_peak_gib=p.peak / GIB, notes=p.notes)
+
+
+def _precision(cfg: TrainConfig, device: str) -> str:
+    if cfg.precision != "auto":
+        return cfg.precision
+    try:
+        return resolve_precision("auto", capabilities(device))
+    except Exception:  # asked about CUDA on a machine without one: the usual auto choice there
+        return "bf16"
+
+
+def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *,
+                    device: str | None = None) -> MemoryEstimate:
+    """Estimate the memory one training step of ``cfg`` needs, from the model config alone.
+
+    ``device_total_gib`` defaults to this device's memory (host RAM on CPU); ``device`` ("cuda" or
+    "cpu", default: the one nbtrain would use) selects the device-specific terms. When it does not
+    fit, ``advice`` lists cumulative changes, each with its new estimate, stopping at the first that fits.
+    """
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"estimate_memory() takes a TrainConfig, got {type(cfg).__name__}")
+    caps = None
+    if device is None or device_total_gib is None:
+        try:
+            caps = capabilities(device)
+        except Exception:
+            caps = None
+    dev = device or (caps.device if caps else "cpu")
+    if device_total_gib is None:
+        if caps is None or caps.device != dev:
+            raise ValueError(f"device_total_gib: give the memory of the {dev} device to estimate for "
+                             "(this machine has none to read)")
+        device_total_gib = caps.total_memory_gib
+    name = f"{dev} ({caps.name})" if caps is not None and caps.device == dev else dev
+    est = _estimate(cfg, dev, device_total_gib, name)
+    if not est.fits:
+        est.advice = _advise(cfg, dev, device_total_gib, name)
+    return est
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Advice: the out-of-memory flow
+# ---------------------------------------------------------------------------------------------------------------
+def _try(cfg: TrainConfig, change: dict[str, Any], dev: str, total: float, name: str) -> Optional[MemoryEstimate]:
+    try:
+        new = cfg.replace(**change)
+    except (ConfigError, ValueError):   # not allowed here (e.g. QLoRA without bitsandbytes)
+        return None
+    return _estimate(new, dev, total, name)
+
+
+def _advise(cfg: TrainConfig, dev: str, total: float, name: str) -> list[Advice]:
+    advice: list[Advice] = []
+    change: dict[str, Any] = {}
+    current = _estimate(cfg, dev, total, name).total_gib
+
+    def take(step: dict[str, Any], desc: str, est: MemoryEstimate) -> bool:
+        nonlocal current
+        change.update(step)
+        current = est.total_gib
+        advice.append(Advice(dict(change), desc, est.total_gib, est.fits))
+        return est.fits
+
+    # 1. a smaller micro-batch, more accumulation: the same effective batch
+    mb, acc = cfg.micro_batch_size, cfg.grad_accum_steps
+    best = None
+    while mb > 1:
+        mb, acc = max(1, mb // 2), acc * (cfg.micro_batch_size // max(1, mb // 2) if False else 1)
+        acc = math.ceil(cfg.micro_batch_size * cfg.grad_accum_steps / mb)
+        est = _try(cfg, {**change, "micro_batch_size": mb, "grad_accum_steps": acc}, dev, total, name)
+        if est is None:
+            break
+        if best is None or est.total_gib < best[1].total_gib:
+            best = ({"micro_batch_size": mb, "grad_accum_steps": acc}, est)
+        if est.fits:
+            best = ({"micro_batch_size": mb, "grad_accum_steps": acc}, est)
+            break
+    if best is not None and best[1].total_gib < current:
+        s = best[0]
+        if take(s, f"micro_batch_size {cfg.micro_batch_size} -> {s['micro_batch_size']}, grad_accum_steps "
+                   f"{cfg.grad_accum_steps} -> {s['grad_accum_steps']} (same effective batch "
+                   f"{cfg.effective_batch_size})", best[1]):
+            return advice
+    # 2. gradient checkpointing
+    if not cfg.gradient_checkpointing:
+        est = _try(cfg, {**change, "gradient_checkpointing": True}, dev, total, name)
+        if est is not None and est.total_gib < current:
+            if take({"gradient_checkpointing": True}, "gradient_checkpointing on (recompute activations in "
+                    "backward, ~30% slower)", est):
+                return advice
+    # 3. full -> LoRA -> QLoRA
+    order = ["full", "lora", "qlora"]
+    for method in order[order.index(cfg.method) + 1:]:
+        est = _try(cfg, {**change, "method": method}, dev, total, name)
+        if est is not None and est.total_gib < current:
+            desc = {"lora": f"method full -> lora (rank {cfg.lora_r} adapters; the base is frozen)",
+                    "qlora": f"method -> qlora (the frozen base in {cfg.quant_bits}-bit)"}[method]
+            if take({"method": method}, desc, est):
+                return advice
+    # 4. shorter sequences
+    seq = cfg.max_seq_len
+    best = None
+    while seq > 8:
+        seq = max(8, seq // 2)
+        est = _try(cfg, {**change, "max_seq_len": seq}, dev, total, name)
+        if est is None:
+            break
+        best = (seq, est)
+        if est.fits:
+            break
+    if best is not None and best[1].total_gib < current:
+        take({"max_seq_len": best[0]}, f"max_seq_len {cfg.max_seq_len} -> {best[0]} (longer texts are "
+             "truncated)", best[1])
+    return advice
