@@ -5,8 +5,8 @@ ipywidgets, plotly or IPython (DESIGN rule 1).
 """
 
 from .config import ConfigError, TrainConfig
-from .engine import (CallbackError, EvalRecord, Run, RunInfo, StepRecord, StopTraining, TrainResult, start,
-                     train)
+from .engine import (CallbackError, CheckpointError, EvalRecord, Finding, Run, RunInfo, StepRecord, StopTraining,
+                     TrainResult, scan_fp16_overflow, start, train)
 from .hardware import Capabilities, capabilities
 
 __version__ = "0.1.0"
@@ -21,7 +21,7 @@ _LAZY = {
 }
 
 __all__ = ["TrainConfig", "ConfigError", "train", "start", "Run", "TrainResult", "StepRecord", "EvalRecord",
-           "RunInfo", "StopTraining", "CallbackError", "capabilities", "Capabilities", *_LAZY]
+           "RunInfo", "StopTraining", "CallbackError", "CheckpointError", "Finding", "scan_fp16_overflow", "capabilities", "Capabilities", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -83,6 +83,12 @@ class TrainConfig(BaseModel):
     nonfinite: Optional[NonFinitePolicy] = Field(
         None, description="what a non-finite step does without a GradScaler: skip, stop or continue "
                           "(default: skip with a scaler, stop without)")
+    auto_batch_size: bool = Field(False, description="find the largest micro batch that fits and raise "
+                                                     "grad_accum_steps to keep the effective batch")
+    save_every: Optional[int] = Field(None, ge=1, description="write a checkpoint every N optimizer steps "
+                                                              "(under output_dir/checkpoints)")
+    resume_from: Optional[str] = Field(None, description="a checkpoint directory (or a checkpoints/ folder: "
+                                                         "its newest valid checkpoint) to continue from")
 
     def __init__(self, **data: Any):
         try:
@@ -128,6 +134,9 @@ class TrainConfig(BaseModel):
         if self.packing and self.task != "causal-lm":
             raise ValueError("packing: True only applies to task='causal-lm'; set packing=False for "
                              f"task={self.task!r}")
+        if self.save_every and not self.output_dir:
+            raise ValueError(f"save_every: {self.save_every} needs output_dir to be set (checkpoints go to "
+                             "output_dir/checkpoints)")
         caps = capabilities()
         if self.precision != "auto" and self.precision in caps.reasons:
             raise ValueError(f"precision: {self.precision!r} cannot run on this {caps.device} "

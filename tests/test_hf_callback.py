@@ -128,9 +128,11 @@ def test_shared_dashboard_overlays_two_trainer_runs(tmp_path):
 
 
 @pytest.mark.gpu
-def test_fp16_on_gpu_reads_the_scaler_and_marks_the_skipped_step(tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_fp16_on_gpu_reads_the_scaler_and_marks_the_skipped_step(tmp_path, optim):
+    # The fused optimizer (the Trainer's CUDA default) skips inside its kernel, unseen by accelerate.
     cb = LiveDashboardCallback(mode="widget", display=False)
-    trainer = _trainer(tmp_path, cb, max_steps=6, use_cpu=False, fp16=True)
+    trainer = _trainer(tmp_path, cb, max_steps=6, use_cpu=False, fp16=True, optim=optim)
     calls = {"n": 0}
 
     def hook(module, inputs, output):
@@ -158,3 +160,5 @@ def test_fp16_on_gpu_reads_the_scaler_and_marks_the_skipped_step(tmp_path):
     for panel in ("loss", "grad_norm", "scale", "memory"):
         np.testing.assert_array_equal(F.find_trace(fig, panel, "skipped").x, [3])
     np.testing.assert_array_equal(F.find_trace(fig, "scale", "scale").y, [r.scale for r in recs])
+    np.testing.assert_array_equal(F.find_trace(fig, "loss", "loss").y,
+                                  np.array([v for _, v in _logged(trainer, "loss")], dtype=float))

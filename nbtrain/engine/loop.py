@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from ..config import TrainConfig
 from ..hardware import capabilities, default_device
 from .callbacks import CallbackList, StopTraining
+from .doctor import grad_underflow_share
+from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state, trainable_state
 from .precision import PRECISION_TABLE, autocast, global_torch_state, make_scaler
 from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
 from .telemetry import device_memory_gib, host_rss_gib, reset_peak
@@ -50,6 +52,12 @@ class TrainResult:
         from ..models import save_model
 
         return save_model(self.model, self.tokenizer, self.config, path, merged=merged)
+
+    def diagnose(self):
+        """Findings about precision trouble (overflow, nan, spikes, a stuck scale) with evidence and advice."""
+        from .doctor import diagnose
+
+        return diagnose(self.history, self.summary, self.config)
 
     def __repr__(self) -> str:
         s = self.summary
@@ -180,6 +188,10 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         init_hash = weights_hash(model) if hash_init else None
         params = [p for p in model.parameters() if p.requires_grad]
         trainable, total_params = count_params(model)
+        notes: list[str] = []
+        if cfg.auto_batch_size:
+            cfg, note = _auto_batch_size(cfg, model, params, data, spec, device)
+            notes.append(note)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       fused=(device == "cuda"))
         spe = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
@@ -187,18 +199,35 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.warmup_steps, total_steps)
         scaler = make_scaler(spec, device)   # disabled (a no-op) unless the precision needs loss scaling
         prev_scale = scaler.get_scale() if spec.scaler else None
+        records: list[StepRecord] = []
+        evals: list[EvalRecord] = []
+        data_hash = b""
+        first_nonfinite: Optional[int] = None
+        start_step = 0
+        if cfg.resume_from:
+            ck = load_checkpoint(cfg.resume_from)
+            _check_resumable(ck["config"], cfg, ck["path"])
+            named = dict(model.named_parameters())
+            for n, t in ck["model"].items():
+                named[n].data.copy_(t)
+            optimizer.load_state_dict(ck["optimizer"])
+            scheduler.load_state_dict(ck["scheduler"])
+            scaler.load_state_dict(ck["scaler"])
+            set_rng_state(ck["rng"])
+            records = [StepRecord(**r) for r in ck["records"]]
+            evals = [EvalRecord(**r) for r in ck["evals"]]
+            start_step, prev_scale = ck["step"], ck["prev_scale"]
+            data_hash, first_nonfinite = ck["data_hash"], ck["first_nonfinite"]
+            notes.append(f"resumed from {ck['path']} at step {start_step}")
 
         info = RunInfo(config=cfg, precision_used=precision, device=device, device_name=caps.name,
                        device_total_gib=caps.total_memory_gib, scaler_enabled=spec.scaler,
                        total_steps=total_steps, train_examples=len(data.train), eval_examples=len(data.eval),
                        trainable_params=trainable, total_params=total_params,
                        max_grad_norm=cfg.max_grad_norm, variant=variant, model=model)
-        records: list[StepRecord] = []
-        evals: list[EvalRecord] = []
-        data_hash = hashlib.blake2b(digest_size=8)
         stopped_reason = "max_steps" if cfg.max_steps is not None else "epochs"
-        first_nonfinite: Optional[int] = None
         eval_bs = cfg.micro_batch_size
+        ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.output_dir else None
 
         def run_eval(step: int) -> None:
             res = evaluate(model, data.eval, data.task, data.pad_token_id, eval_bs, spec, device)
@@ -215,10 +244,12 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             cbs.fire("on_run_start", info)
         except StopTraining:
             stop_requested = True
-        t_start = t_prev = time.perf_counter()
+            stopped_reason = "stopped"
+        t_start = t_prev = time.perf_counter() - (records[-1].elapsed_s if records else 0.0)
         batches = iter_steps(data.train, cfg.micro_batch_size, cfg.grad_accum_steps, cfg.seed,
-                             data.pad_token_id, data.task)
-        step = 0
+                             data.pad_token_id, data.task, start_step=start_step)
+        step = start_step
+        underflow = None
         try:
             while step < total_steps and not stop_requested:
                 if stop_event.is_set():
@@ -231,8 +262,11 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 n_targets = sum(mb.n_targets for mb in micro)
                 n_tokens = sum(mb.n_tokens for mb in micro)
                 loss_acc = torch.zeros((), device=device)
+                # Fairness fingerprint: the real (unpadded) token ids of this step, independent of how the step
+                # is cut into micro-batches; chained as bytes (not a hashlib object) so it survives a checkpoint.
+                step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes() for mb in micro)
+                data_hash = hashlib.blake2b(data_hash + step_ids, digest_size=8).digest()
                 for mb in micro:
-                    data_hash.update(mb.input_ids.numpy().tobytes())
                     mb = mb.to(device, non_blocking=True)
                     with autocast(spec, device):
                         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
@@ -242,6 +276,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                     del logits, loss
                 # Last micro-batch done: bring gradients back to their true scale before measuring them.
                 scaler.unscale_(optimizer)
+                if step == 1:   # one cheap sample (before clipping) for the doctor's fp16-underflow check
+                    underflow = grad_underflow_share(params)
                 norm = _grad_norm(params, cfg.max_grad_norm)
                 lr = optimizer.param_groups[0]["lr"]
                 # SYNC POINT (one per step): loss and grad norm to the host. A GradScaler step reads found_inf
@@ -287,18 +323,30 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                         break
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
                         run_eval(step)
+                    if cfg.save_every and step % cfg.save_every == 0:
+                        save_checkpoint(ckpt_dir, step, {
+                            "step": step, "model": trainable_state(model), "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                            "rng": rng_state(), "prev_scale": prev_scale, "data_hash": data_hash,
+                            "first_nonfinite": first_nonfinite, "records": [r.to_dict() for r in records],
+                            "evals": [r.to_dict() for r in evals], "config": cfg.to_dict()}, cfg.to_yaml())
                 except StopTraining:
                     stopped_reason = "stopped"
                     break
         except KeyboardInterrupt:
             stopped_reason = "interrupted"
-        except (torch.OutOfMemoryError, MemoryError):
+        except (torch.OutOfMemoryError, MemoryError) as e:
             stopped_reason = "out_of_memory"
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            notes.append(f"out of memory at step {step}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            # Whatever ended the run, leave the model usable: no half-accumulated gradients.
+            # Whatever ended the run, leave the model usable: no half-accumulated gradients, no cached blocks.
             optimizer.zero_grad(set_to_none=True)
+            if stopped_reason == "out_of_memory":
+                import gc
+
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
         wall = time.perf_counter() - t_start
         if stopped_reason not in ("interrupted", "out_of_memory") and data.eval:
             try:
@@ -308,8 +356,14 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
 
         summary = _summary(records, evals, stopped_reason, precision, device, wall, trainable, total_params,
                            first_nonfinite)
-        summary["data_hash"] = data_hash.hexdigest()
+        summary["data_hash"] = data_hash.hex()
         summary["init_hash"] = init_hash
+        summary["micro_batch_size"] = cfg.micro_batch_size
+        summary["grad_accum_steps"] = cfg.grad_accum_steps
+        summary["notes"] = notes
+        summary["grad_fp16_underflow_share"] = float(underflow) if underflow is not None else None
+        if stopped_reason == "out_of_memory":
+            summary["advice"] = _oom_advice(cfg)
         if variant is not None:
             summary["variant"] = variant
         result = TrainResult(history=_frame(records, STEP_FIELDS), eval_history=_frame(evals, _EVAL_FIELDS),
@@ -322,6 +376,69 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         except StopTraining:
             pass
         return result
+
+
+_RESUME_KEYS = ("model", "task", "data", "subset", "max_seq_len", "micro_batch_size", "grad_accum_steps",
+                "method", "lora_r", "lora_alpha", "lora_targets", "quant_bits", "seed", "packing", "eval_fraction",
+                "text_column", "label_column", "scheduler", "warmup_steps", "lr")
+
+
+def _check_resumable(saved: dict, cfg: TrainConfig, path: str) -> None:
+    """A checkpoint continues only the run it came from: the fields that shape the run must match."""
+    diff = [k for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)]
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {getattr(cfg, k)!r}" for k in diff)
+        raise CheckpointError(f"cannot resume from {path}: the config differs in {detail}")
+
+
+def _auto_batch_size(cfg: TrainConfig, model, params, data, spec, device) -> tuple[TrainConfig, str]:
+    """Largest micro batch (a divisor of the effective batch) whose forward+backward on the longest rows fits."""
+    from ..data import collate
+
+    eff = cfg.effective_batch_size
+    longest = sorted(range(len(data.train)), key=lambda i: -len(data.train[i]["input_ids"]))
+    rng = torch.get_rng_state()  # the trials must not shift dropout randomness of the real run
+    tried = []
+    chosen = None
+    for m in [d for d in range(eff, 0, -1) if eff % d == 0]:
+        rows = [data.train[longest[i % len(longest)]] for i in range(m)]
+        mb = collate(rows, data.pad_token_id, data.task).to(device)
+        try:
+            with autocast(spec, device):
+                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            loss_sum(logits, mb.labels, data.task).backward()
+            chosen = m
+        except (torch.OutOfMemoryError, MemoryError):
+            tried.append(m)
+        finally:
+            logits = None
+            for p in params:
+                p.grad = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        if chosen:
+            break
+    torch.set_rng_state(rng)
+    if chosen is None:
+        raise torch.OutOfMemoryError(f"auto_batch_size: even micro_batch_size=1 does not fit "
+                                     f"(max_seq_len={cfg.max_seq_len}); shorten max_seq_len or use LoRA/QLoRA")
+    new = cfg.replace(micro_batch_size=chosen, grad_accum_steps=eff // chosen, auto_batch_size=False)
+    note = (f"auto_batch_size: micro_batch_size={chosen} x grad_accum_steps={eff // chosen} "
+            f"(effective batch {eff} kept; {tried or 'no'} sizes ran out of memory)")
+    return new, note
+
+
+def _oom_advice(cfg: TrainConfig) -> list[str]:
+    """The out-of-memory flow as concrete changes, from estimate_memory(), asked for a 25% cut."""
+    try:
+        from ..memory import estimate_memory
+
+        est = estimate_memory(cfg)
+        target = min(est.total_gib, est.device_total_gib) * 0.75
+        return [a.description for a in estimate_memory(cfg, device_total_gib=target).advice]
+    except Exception as e:  # advice is a courtesy; never let it mask the real stop reason
+        return [f"(no estimate available: {type(e).__name__}: {e}) lower micro_batch_size and raise "
+                "grad_accum_steps, enable gradient_checkpointing, or switch to method='lora'/'qlora'"]
 
 
 def _summary(records, evals, stopped_reason, precision, device, wall, trainable, total_params, first_nonfinite):

@@ -12,7 +12,11 @@ What the Trainer gives and how it becomes a StepRecord:
   skipped". By default the Trainer replaces a nan/inf loss by a running average
   (``logging_nan_inf_filter=True``): set it to False to see non-finite losses as they are.
 - ``scale`` is read from the GradScaler that accelerate attaches to the prepared optimizer
-  (``optimizer.scaler``, after its update), ``skipped`` from ``optimizer.step_was_skipped``. accelerate
+  (``optimizer.scaler``, after its update). A step is ``skipped`` when that scale dropped or
+  ``optimizer.step_was_skipped`` says so (the latter alone misses skips inside fused optimizers,
+  the Trainer's default on CUDA). With ``logging_nan_inf_filter=False`` the Trainer's logged loss
+  stays nan after the first nan (it resets its running sum by subtracting it from itself); the
+  dashboard shows the logged values as they are. accelerate
   creates a scaler only for fp16 on an accelerator: fp16 on a CPU runs in fp32 there, and the
   dashboard labels such a run ``fp32``.
 - memory (VRAM on CUDA, process RSS always), step time and tokens/s are measured in
@@ -82,6 +86,7 @@ class LiveDashboardCallback(TrainerCallback):
         self._t0 = self._t_last = time.monotonic()
         self._device = "cpu"
         self._scaler = None
+        self._last_scale: Optional[float] = None
         self._max_grad_norm: Optional[float] = None
         self._tokens_seen = 0
         self._window: dict[str, Any] = {}
@@ -98,6 +103,8 @@ class LiveDashboardCallback(TrainerCallback):
         self._reset()
         self._device = getattr(getattr(args, "device", None), "type", "cpu")
         self._scaler = getattr(optimizer, "scaler", None)
+        self._last_scale = (float(self._scaler.get_scale())
+                            if self._scaler is not None and self._scaler.is_enabled() else None)
         self._max_grad_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         name, total_gib = _device_facts(self._device)
@@ -129,9 +136,14 @@ class LiveDashboardCallback(TrainerCallback):
         seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         w["tokens"] += max(0, seen - self._tokens_seen)
         self._tokens_seen = seen
-        w["skipped"] |= bool(getattr(optimizer, "step_was_skipped", False))
         scaler = getattr(optimizer, "scaler", None) or self._scaler
-        w["scale"] = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+        # accelerate's step_was_skipped misses skips inside fused optimizers (the Trainer's default
+        # adamw_torch_fused on CUDA takes the scaler and skips in its kernel): a dropped scale does not.
+        dropped = scale is not None and self._last_scale is not None and scale < self._last_scale
+        w["skipped"] |= dropped or bool(getattr(optimizer, "step_was_skipped", False))
+        w["scale"] = scale
+        self._last_scale = scale
         alloc, reserved, peak = telemetry.device_memory_gib(self._device)
         if peak is not None:
             w["alloc"], w["reserved"] = alloc, reserved
