@@ -68,8 +68,8 @@ class _Outcome:
 # ---------------------------------------------------------------------------------------------------------------
 # compare()
 # ---------------------------------------------------------------------------------------------------------------
-def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16"), subset: Optional[int] = None,
-            max_steps: Optional[int] = None, variants: Optional[Mapping[str, Mapping[str, Any]]] = None,
+def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16"),
+            subset: Optional[int] = None, max_steps: Optional[int] = None, variants: Optional[Mapping[str, Mapping[str, Any]]] = None,
             repeats: int = 1, callbacks=None, warmup: bool = True) -> "ComparisonResult":
     """Train ``cfg`` once per variant in this process and return a side-by-side ComparisonResult.
 
@@ -81,7 +81,9 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     and reports the median throughput and wall time; the curves are the first repeat's. ``callbacks``
     (e.g. one LiveDashboard) see every variant's first repeat; records carry ``.variant``. ``warmup``
     first runs two untimed steps of the first variant, so that the reference does not pay alone for
-    what a process does once (lazy imports, kernel and allocator set-up) and look slow.
+    what a process does once (lazy imports, kernel and allocator set-up) and look slow. On a GPU the
+    models kept in ``results`` are moved to the CPU between variants, so that they do not count in the
+    next variant's peak memory. An interrupt (Ctrl-C) ends the comparison with the rows so far.
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"compare() takes a TrainConfig, got {type(cfg).__name__}")
@@ -89,7 +91,8 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
         raise ValueError(f"repeats: must be >= 1, got {repeats!r}")
     base = cfg
     if subset is not None or max_steps is not None:
-        base = cfg.replace(**{k: v for k, v in (("subset", subset), ("max_steps", max_steps)) if v is not None})
+        given = {"subset": subset, "max_steps": max_steps}
+        base = cfg.replace(**{k: v for k, v in given.items() if v is not None})
     outcomes = [_Outcome(name, dict(ov)) for name, ov in _variant_specs(precisions, variants).items()]
 
     for o in outcomes:
@@ -108,7 +111,13 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
             if interrupted or o.config is None or o.status in ("error", "out_of_memory"):
                 continue
             run_cfg = o.config if r == 0 else o.config.replace(output_dir=None)
-            result = _run_variant(o, run_cfg, callbacks if r == 0 else None, first=(r == 0))
+            try:
+                result = _run_variant(o, run_cfg, callbacks if r == 0 else None, first=(r == 0))
+            except KeyboardInterrupt:  # before the loop's own handler is in place (data, model building)
+                result, interrupted = None, True
+                if r == 0:
+                    o.status = "interrupted"
+                o.notes.append("interrupted before its first step")
             if result is not None:
                 o.timings.append((float(result.summary["tokens_per_s"]), float(result.summary["wall_s"])))
                 if r == 0:
@@ -184,6 +193,8 @@ def _warm_up(cfg: Optional[TrainConfig]) -> bool:
         return False
     try:
         res = _loop._run(cfg.replace(max_steps=2, eval_every=None, output_dir=None), None)
+    except KeyboardInterrupt:
+        return True
     except Exception:  # noqa: BLE001 - the timed run of this variant reports the failure in its row
         return False
     interrupted = res.summary["stopped_reason"] == "interrupted"
@@ -251,8 +262,9 @@ def _check_fairness(outcomes: list[_Outcome], reference: str) -> list[str]:
                 # The data hash covers the steps a run took; a run that stopped early has a shorter one.
                 o.notes.append(f"data hash not comparable: {s['steps']} steps vs {ref_s['steps']}")
             elif key == "data_hash" and explained and same_examples and not unpaired:
-                o.notes.append(f"data hash differs only by padding: micro-batches of {o.config.micro_batch_size} "
-                               f"are padded to their own longest row; every step holds the same "
+                o.notes.append(f"data hash differs only by padding: micro-batches of "
+                               f"{o.config.micro_batch_size} vs {ref.config.micro_batch_size} are padded to "
+                               f"their own longest row; every step holds the same "
                                f"{o.config.effective_batch_size} examples (data/batching.py)")
             elif explained and not unpaired:
                 verb = "differs" if len(explained) == 1 else "differ"
@@ -287,6 +299,11 @@ def loss_difference(history: pd.DataFrame, reference: pd.DataFrame) -> tuple[flo
     return float(d.max()), float((d / np.maximum(np.abs(b[ok]), 1e-30)).max())
 
 
+def _setting(o: _Outcome, name: str):
+    """A config value of the variant; its override when its config was invalid."""
+    return getattr(o.config, name) if o.config is not None else o.overrides.get(name)
+
+
 def _num(v) -> float:
     return math.nan if v is None else float(v)
 
@@ -299,12 +316,12 @@ def _run_notes(o: _Outcome, caps) -> list[str]:
     """Notes a finished run earns: slow precision, skipped / non-finite steps, an early stop."""
     s = o.result.summary
     notes = []
-    if caps.notes.get(s["precision_used"]):
-        notes.append(f"{s['precision_used']}: {caps.notes[s['precision_used']]}")
-    if caps.notes.get(o.config.method):
-        notes.append(f"{o.config.method}: {caps.notes[o.config.method]}")
+    for option in (s["precision_used"], o.config.method):
+        if caps.notes.get(option):   # name the option unless the variant is already named after it
+            notes.append(caps.notes[option] if option == o.name else f"{option}: {caps.notes[option]}")
     if s["nonfinite_steps"]:
-        notes.append(f"{s['nonfinite_steps']} non-finite step(s), the first at step {s['first_nonfinite_step']}"
+        notes.append(f"{s['nonfinite_steps']} non-finite step(s), the first at step "
+                     f"{s['first_nonfinite_step']}"
                      + (f"; {s['skipped_steps']} skipped by the GradScaler" if o.result.info
                         and o.result.info.scaler_enabled else ""))
     reason = s["stopped_reason"]
@@ -340,9 +357,9 @@ def _build_table(outcomes: list[_Outcome], reference: str) -> pd.DataFrame:
             "status": o.status,
             "precision_used": precision,
             "device": s.get("device") or default_device(),
-            "micro_batch": o.config.micro_batch_size if o.config is not None else o.overrides.get("micro_batch_size"),
-            "grad_accum": o.config.grad_accum_steps if o.config is not None else o.overrides.get("grad_accum_steps"),
-            "method": o.config.method if o.config is not None else o.overrides.get("method"),
+            "micro_batch": _setting(o, "micro_batch_size"),
+            "grad_accum": _setting(o, "grad_accum_steps"),
+            "method": _setting(o, "method"),
             "steps": s.get("steps"),
             "wall_s": wall,
             "wall_s_spread": _spread([w for _, w in o.timings]),
@@ -373,8 +390,8 @@ def _build_table(outcomes: list[_Outcome], reference: str) -> pd.DataFrame:
         })
         rows.append(row)
     table = pd.DataFrame(rows)
-    for col in ("micro_batch", "grad_accum", "steps", "skipped_steps", "nonfinite_steps", "first_nonfinite_step",
-                "repeats"):
+    for col in ("micro_batch", "grad_accum", "steps", "skipped_steps", "nonfinite_steps",
+                "first_nonfinite_step", "repeats"):
         table[col] = table[col].astype("Int64")   # integers with <NA> for rows that did not run
     table["fair"] = table["fair"].astype("boolean")
     return table
@@ -383,10 +400,14 @@ def _build_table(outcomes: list[_Outcome], reference: str) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------------------------
 # ComparisonResult
 # ---------------------------------------------------------------------------------------------------------------
-_TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "steps", "wall_s",
-                 "tokens_per_s", "speedup", "peak_vram_gib", "peak_host_rss_gib", "final_loss", "eval_loss",
+_TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "steps",
+                 "wall_s", "tokens_per_s", "speedup", "peak_vram_gib", "peak_host_rss_gib", "final_loss", "eval_loss",
                  "eval_perplexity", "eval_accuracy", "max_abs_loss_diff", "skipped_steps", "nonfinite_steps",
                  "min_scale", "fair")
+_FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.0f}",
+            "tokens_per_s_spread": "{:,.0f}", "speedup": "{:.2f}x", "peak_vram_gib": "{:.2f}",
+            "peak_host_rss_gib": "{:.2f}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "eval_perplexity": "{:.1f}", "eval_accuracy": "{:.3f}",
+            "max_abs_loss_diff": "{:.2e}", "max_rel_loss_diff": "{:.2e}", "min_scale": "{:g}"}
 
 
 class ComparisonResult:
@@ -439,19 +460,11 @@ class ComparisonResult:
     # -- text and HTML ------------------------------------------------------------------------------------
     def format_table(self) -> str:
         """The table as plain text for a terminal, with the notes and the fairness verdict below it."""
-        # Leave out what says nothing here: empty columns, and settings every variant shares.
-        cols = [c for c in _TEXT_COLUMNS if c in self.table.columns and not self.table[c].isna().all()
-                and not (c in ("micro_batch", "grad_accum", "method") and self.table[c].nunique() <= 1)]
-        t = self.table[cols].copy()
-        fmt = {"wall_s": "{:.1f}", "tokens_per_s": "{:,.0f}", "speedup": "{:.2f}x", "peak_vram_gib": "{:.2f}",
-               "peak_host_rss_gib": "{:.2f}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}",
-               "eval_perplexity": "{:.1f}", "eval_accuracy": "{:.3f}", "max_abs_loss_diff": "{:.2e}",
-               "min_scale": "{:g}"}
-        for c, f in fmt.items():
-            if c in t.columns:
-                t[c] = [f.format(v) if v is not None and not pd.isna(v) else "-" for v in t[c]]
-        t = t.astype(object).where(t.notna(), "-")
-        lines = [t.to_string(index=False), ""]
+        # Leave out what says nothing here: settings every variant shares, a status every run reached.
+        cols = [c for c in _TEXT_COLUMNS if c in self.table.columns
+                and not (c in ("micro_batch", "grad_accum", "method") and self.table[c].nunique() <= 1)
+                and not (c == "status" and self.table[c].isin(_COMPLETE).all())]
+        lines = [self._formatted(cols).to_string(index=False), ""]
         if self.repeats > 1:
             lines.append(f"tokens_per_s and wall_s: medians of {self.repeats} interleaved repeats "
                          "(spread in .table)")
@@ -460,6 +473,17 @@ class ComparisonResult:
                 lines.append(f"{r.variant}: {r.notes}")
         lines.append(self._fairness_line())
         return "\n".join(lines)
+
+    def _formatted(self, cols: Sequence[str]) -> pd.DataFrame:
+        """``cols`` of the table as display strings ("-" where there is no value); empty columns dropped."""
+        out = {}
+        for c in cols:
+            values = self.table[c]
+            if values.isna().all():
+                continue
+            f = _FORMATS.get(c, "{:.6g}" if values.dtype.kind == "f" else "{}")
+            out[c] = ["-" if pd.isna(v) else f.format(v) for v in values]
+        return pd.DataFrame(out)
 
     def _fairness_line(self) -> str:
         ran = self.table[self.table["init_hash"].notna()]
@@ -471,8 +495,8 @@ class ComparisonResult:
         return "NOT FAIR: " + " | ".join(self.warnings)
 
     def _table_html(self) -> str:
-        return self.table.to_html(index=False, na_rep="-", float_format=lambda v: f"{v:.6g}", escape=True,
-                                  classes="nbtrain-compare")
+        return self._formatted(list(self.table.columns)).to_html(index=False, escape=True,
+                                                                 classes="nbtrain-compare")
 
     def _repr_html_(self) -> str:
         verdict = html.escape(self._fairness_line())
@@ -491,7 +515,8 @@ class ComparisonResult:
         overrides = "\n".join(f"{name}: {ov}" for name, ov in self.overrides.items())
         env_rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
                            for k, v in environment().items())
-        errors = "".join(f"<h3>{html.escape(n)}</h3><pre>{html.escape(t)}</pre>" for n, t in self.errors.items())
+        errors = "".join(f"<h3>{html.escape(n)}</h3><pre>{html.escape(t)}</pre>"
+                         for n, t in self.errors.items())
         doc = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>

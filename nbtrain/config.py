@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 def _describe(err: dict) -> tuple[str, str]:
-    loc = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int))
+    loc = str(err["loc"][0]) if err.get("loc") else ""   # the field; deeper parts name union branches
     msg = err.get("msg", "invalid")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -94,7 +94,11 @@ class TrainConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as e:
-            errs = [_describe(x) for x in e.errors()]
+            errs = []
+            for x in e.errors():   # one line per field: a union type reports each failed branch
+                d = _describe(x)
+                if d[0] not in [f for f, _ in errs]:
+                    errs.append(d)
             lines = [f"{loc}: {msg}" for loc, msg in errs]
             first = errs[0][0] if errs else None
             raise ConfigError("Invalid TrainConfig:\n  " + "\n  ".join(lines), field=first,
@@ -107,6 +111,13 @@ class TrainConfig(BaseModel):
         if not isinstance(v, str) or not v.strip():
             raise ValueError("must be a non-empty string")
         return v.strip()
+
+    @field_validator("lora_targets", mode="before")
+    @classmethod
+    def _targets_type(cls, v):
+        if not isinstance(v, (str, list, tuple)):
+            raise ValueError(f"must be 'all-linear' or a list of module names, got {v!r}")
+        return list(v) if isinstance(v, tuple) else v
 
     @field_validator("lora_targets")
     @classmethod

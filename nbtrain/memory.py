@@ -373,6 +373,8 @@ class _Trace:
         self.saved: dict[int, _T] = {}
         self.const = 0                # weight copies saved for backward (bytes)
         self.cache = 0                # weight copies autocast caches for the forward (trainable leaves)
+        self.fwd_extra = 0            # largest short-lived tensor set inside the forward, per token
+        self.mlp_grad = 0             # bytes per token of one MLP-intermediate gradient
 
     def save(self, t: _T) -> None:
         self.saved[id(t)] = t
@@ -401,13 +403,18 @@ class _Trace:
         if not spec.lora_r:
             return out
         r = spec.lora_r
-        # peft casts the input to the adapter's dtype (fp32), drops out, then lora_A and lora_B
+        # peft casts the input to the adapter's dtype (fp32), drops out, then lora_A and lora_B; the
+        # fp32 copy and the dropout output live only while the adapter runs, beside the base output
         xl = x if x.size == 4 else _T(x.elems, 4, x.rg)
         xd = xl
+        extra = out.elems * out.size + (4 * x.elems if xl is not x else 0)
         if self.dropout:
             if xl.rg:
                 self.save(_T(xl.elems, self.mask_bytes or xl.size, False))
             xd = _T(xl.elems, 4, xl.rg)
+            if self.ac:
+                extra += 4 * x.elems
+        self.fwd_extra = max(self.fwd_extra, extra)
         self.save(self.cast(xd))
         a_out = _T(r, self.ac or 4, True)
         self.save(a_out)
@@ -460,6 +467,7 @@ def _trace_layer(tr: _Trace, x: _T, lin: dict[str, _Lin], norms_trainable: bool,
     g, u = tr.linear(xn2, lin["gate"]), tr.linear(xn2, lin["up"])
     if g.rg:
         tr.save(g)                                  # SiLU keeps its input
+    tr.mlp_grad = g.elems * g.size                  # gradients have their tensors' dtype
     act = _T(g.elems, g.size, g.rg)
     d = tr.linear(tr.mul(act, u), lin["down"])
     return _T(x.elems, max(r.size, d.size), r.rg or d.rg)
@@ -561,7 +569,8 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     layer_const = [tr0.const] + [tr1.const] * (L - 1)
     layer_cache = [tr0.cache] + [tr1.cache] * (L - 1)
     rope_bytes = 2 * arch.head_dim * 4 * T       # cos and sin, fp32, shared by all layers
-    ids_bytes = 8 * N if full else 0             # the embedding's backward keeps the token ids
+    inputs = 3 * 8 * N                           # input_ids, attention_mask, labels (int64)
+    fwd_extra, mlp_grad = tr1.fwd_extra, tr1.mlp_grad
 
     # the head: final norm, then the output layer / classifier
     head_l = next((l for l in arch.linears if l.name == arch.head), None)
@@ -575,7 +584,7 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     if task == "causal-lm":
         n_tgt = B * (T - 1)
         logits = N * arch.vocab * logits_t.size
-        loss_bwd = 12 * n_tgt * arch.vocab      # log_softmax output + its two fp32 gradients
+        loss_bwd = 12 * n_tgt * arch.vocab + 8 * n_tgt   # log_softmax output, its two fp32 gradients, targets
         grad_logits = N * arch.vocab * logits_t.size
     else:
         logits = N * arch.vocab * logits_t.size  # the head runs on every position, then pools
@@ -587,7 +596,7 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     if full:
         g_layer = [0] * L
         g_head = g_emb = g_other = 0
-        for name, n, _ in arch.params:
+        for name, n, _ in arch.params:   # tied weights appear once, under the embedding's name
             li = _layer_index(name, L)
             if li is not None:
                 g_layer[li] += 4 * n
@@ -597,6 +606,8 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
                 g_emb += 4 * n
             else:
                 g_other += 4 * n
+        if arch.tied:
+            g_head = g_emb   # the output layer's backward creates the shared weight's gradient first
     else:
         g_layer = [0] * L
         for name, n in adapted.items():
@@ -611,57 +622,46 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     accum = cfg.grad_accum_steps > 1
     G0 = G if accum else 0            # earlier micro-batches' gradients, present all through the last one
     if ckpt:
-        kept = [4 * h * N] * L         # each checkpointed layer keeps its fp32 input
+        kept = [4 * h * N] * L         # each checkpointed layer keeps only its fp32 input
     else:
         kept = [layer_tokens[k] * N + layer_const[k] for k in range(L)]
-    acts = sum(kept) + rope_bytes + ids_bytes + head_saved
-    phases: dict[str, int] = {}
+    acts = sum(kept) + rope_bytes + inputs + head_saved
+    phases: dict[str, tuple[int, str]] = {}
 
-    # forward end, still inside autocast: the autocast cache holds the trainable weights' copies
+    # end of the forward, still inside autocast, whose cache holds the trainable weights' bf16 copies
     cache_only = sum(layer_cache) if ckpt else 0
-    fwd_transient = (layer_tokens[-1] * N + layer_const[-1]) if ckpt else 0
-    phases["forward"] = G0 + acts + cache_only + logits + fwd_transient
-    phases["loss backward"] = G0 + acts + logits + loss_bwd
-    # the output layer's backward: its input gradient, and its weight gradient when it trains
-    gw = (head_weight * (s + 4 if ac else 4)) if head_trainable else 0
-    phases["output layer backward"] = (G0 + acts + logits + grad_logits + 4 * h * N + 2 * gw
-                                       if accum else G0 + acts + logits + grad_logits + 4 * h * N + gw)
-    # decoder layers, last to first: activations go, gradients come
+    phases["forward"] = (G0 + acts + cache_only + logits, "the end of the forward")
+    phases["loss"] = (G0 + acts + logits + loss_bwd, "the loss backward (log_softmax)")
+    # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
+    gw = head_weight * ((s + 4) if ac else 4) if head_trainable else 0
+    phases["head"] = (G0 + acts + logits + grad_logits + (s + 4) * h * N + gw, "the output layer's backward")
+    # decoder layers, last to first: their activations go, their gradients come
     remaining = acts - head_saved
     g_so_far = g_head + g_other
-    worst, worst_at = 0, ""
+    worst = (0, "")
     for k in reversed(range(L)):
         layer_act = layer_tokens[k] * N
-        transient = _BWD_TRANSIENT * layer_act + 2 * 4 * h * N
-        if ckpt:
-            transient += layer_act + layer_const[k]        # the recomputed layer
-        new_grad = g_layer[k]
-        here = G0 + remaining + logits + (0 if accum else g_so_far) + transient + (new_grad if accum else new_grad)
-        if here > worst:
-            worst, worst_at = here, f"layer {k} backward"
+        t_bwd = 2 * mlp_grad * N       # inside the MLP's backward: the gradients of SiLU(gate) and up
+        if ckpt:                       # the layer is recomputed first, with its own short-lived tensors
+            transient = layer_act + layer_const[k] - 4 * h * N + max(fwd_extra * N, t_bwd)
+        else:
+            transient = t_bwd
+        transient += 4 * h * N         # the residual stream's gradient
+        here = G0 + remaining + logits + (0 if accum else g_so_far) + g_layer[k] + transient
+        if here > worst[0]:
+            worst = (here, f"layer {k}'s backward" + (" (recomputed)" if ckpt else ""))
         remaining -= kept[k]
         g_so_far += g_layer[k]
-    phases["decoder backward"] = worst
-    # the embedding: a dense gradient; with tied weights it is summed with the output layer's
+    phases["layers"] = worst
+    # the input embedding's dense gradient; tied to the output layer it is summed with that one's
     emb_extra = 0
     if full and g_emb:
         emb_extra = 2 * g_emb if arch.tied else (g_emb if accum else 0)
-    phases["embedding backward"] = G + logits + emb_extra + (0 if arch.tied or accum else 0)
-    phases["optimizer step"] = G
-    phase = max(phases, key=phases.get)
-    if phase == "decoder backward":
-        phase_name = worst_at
-    else:
-        phase_name = phase
-    peak = weights + optim + phases[phase]
-    logits_part = logits + loss_bwd
-    if not arch.llama_like:
-        pass
-    return _Parts(weights=weights, grads=grads, optim=optim, acts=acts, logits=logits_part, peak=peak,
-                  phase=phase_name, trainable=trainable, total=total, notes=notes)
-
-
-_BWD_TRANSIENT = 0.0   # share of a layer's saved activations alive as gradients inside its backward
+    phases["embedding"] = (G + logits + emb_extra, "the embedding's backward")
+    phases["optimizer"] = (G, "the optimizer step")
+    top, where = max(phases.values(), key=lambda v: v[0])
+    return _Parts(weights=weights, grads=grads, optim=optim, acts=acts, logits=logits + loss_bwd,
+                  peak=weights + optim + top, phase=where, trainable=trainable, total=total, notes=notes)
 
 
 def _num_labels(cfg: TrainConfig) -> int:

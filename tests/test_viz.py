@@ -2,7 +2,6 @@
 
 import base64
 import contextlib
-import json
 import math
 import threading
 import time
@@ -457,6 +456,17 @@ def test_forced_inf_fp16_run_is_drawn_exactly(tiny_cfg, monkeypatch):
     assert_same(F.find_trace(again, "scale", "skipped").x, [2])
 
 
+def test_dashboard_under_start_in_a_background_thread(tiny_cfg):
+    import nbtrain as nbt
+
+    dash = nbt.LiveDashboard(mode="widget", display=False)
+    run = nbt.start(tiny_cfg.replace(max_steps=3), callbacks=[dash])
+    r = run.wait()
+    assert run.done and len(dash.records) == 3
+    assert_same(F.find_trace(dash.figure, "loss", "loss").y, r.history.loss)
+    assert "step 3/3" in dash._status_widget.value
+
+
 NOTEBOOK_CELLS = [
     """import nbtrain as nbt
 from nbtrain.viz.dashboard import detect_mode
@@ -474,6 +484,7 @@ wdash.on_run_end(result)""",
 ]
 
 
+@pytest.mark.slow
 def test_headless_notebook_leaves_a_static_figure(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

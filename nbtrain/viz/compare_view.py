@@ -37,8 +37,8 @@ def comparison_figure(histories: Mapping[str, Any], reference: Optional[str] = N
         return fig
     base = compare_figure(histories, reference=reference, summaries=summaries, eval_histories=eval_histories,
                           smoothing=smoothing)
-    on_gpu = any(str(getattr(i, "device", "")).startswith("cuda") for i in infos.values() if i is not None) or \
-        any((s or {}).get("peak_vram_gib") is not None for s in (summaries or {}).values())
+    on_gpu = (any(str(getattr(i, "device", "")).startswith("cuda") for i in infos.values() if i is not None)
+              or any((s or {}).get("peak_vram_gib") is not None for s in (summaries or {}).values()))
     # compare_figure's six subplot titles, in the same row-major grid order as ours
     titles = [a.text for a in base.layout.annotations][:6]
     mem_title = "accelerator memory (GiB)" if on_gpu else "host memory: process RSS (GiB, CPU run)"
@@ -96,5 +96,5 @@ def _note_no_scaler(fig: go.Figure, histories: Mapping[str, Any], infos: Mapping
         sp = fig.get_subplot(4, 1)   # the scale panel; axis numbers follow the grid, so ask, not guess
         x, y = sp.xaxis.plotly_name.replace("axis", ""), sp.yaxis.plotly_name.replace("axis", "")
         fig.add_annotation(text="no GradScaler (no loss scale): " + ", ".join(without), xref=f"{x} domain",
-                           yref=f"{y} domain", x=0.5, y=0.5, showarrow=False, font=dict(size=12, color="#555"),
-                           name="no_scaler")
+                           yref=f"{y} domain", x=0.5, y=0.5, showarrow=False,
+                           font=dict(size=12, color="#555"), name="no_scaler")
