@@ -208,6 +208,40 @@ class TrainConfig(BaseModel):
         except ConfigError as e:
             raise ConfigError(f"{p}: {e}", field=e.field, errors=e.errors) from None
 
+    # -- exports to the tools people run in production (nbtrain.integrations.exports) -----------------------
+    def to_training_arguments(self, output_dir: str | None = None, **overrides: Any):
+        """A transformers.TrainingArguments with the matching precision, batch, accumulation, clipping and
+        schedule (plus ``.peft_config`` / ``.quantization_config`` attributes for lora/qlora)."""
+        from .integrations.exports import to_training_arguments
+
+        return to_training_arguments(self, output_dir=output_dir, **overrides)
+
+    def to_llamafactory_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """A LLaMA-Factory training YAML for this config; written to ``path`` when given."""
+        from .integrations.exports import to_llamafactory_yaml
+
+        return to_llamafactory_yaml(self, path)
+
+    def to_autotrain_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """An AutoTrain Advanced YAML for this config; written to ``path`` when given."""
+        from .integrations.exports import to_autotrain_yaml
+
+        return to_autotrain_yaml(self, path)
+
+    @classmethod
+    def from_llamafactory_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "TrainConfig":
+        """Read the keys of a LLaMA-Factory YAML that map to TrainConfig; the rest are named in a warning."""
+        from .integrations.exports import from_llamafactory_yaml
+
+        return from_llamafactory_yaml(path, **overrides)
+
+    @classmethod
+    def from_autotrain_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "TrainConfig":
+        """Read the keys of an AutoTrain YAML that map to TrainConfig; the rest are named in a warning."""
+        from .integrations.exports import from_autotrain_yaml
+
+        return from_autotrain_yaml(path, **overrides)
+
     def __repr__(self) -> str:
         changed = {k: v for k, v in self.to_dict().items() if v != type(self).model_fields[k].default}
         return "TrainConfig(" + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + ")"

@@ -85,8 +85,15 @@ def _run_color(fig: go.Figure, name: str) -> Optional[str]:
 def _not_run_text(not_run: Mapping[str, str]) -> str:
     if not not_run:
         return ""
-    parts = [f"{html.escape(str(n))}: {html.escape(str(r or 'did not run'))}" for n, r in not_run.items()]
+    # A title does not wrap: shorten each reason (the table has it in full); escape only what plotly's
+    # HTML subset would read as markup.
+    parts = [f"{html.escape(str(n), quote=False)}: {html.escape(_shorten(str(r or 'did not run')), quote=False)}"
+             for n, r in not_run.items()]
     return "<br><sup>not run: " + " | ".join(parts) + "</sup>"
+
+
+def _shorten(text: str, limit: int = 90) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def _note_no_scaler(fig: go.Figure, histories: Mapping[str, Any], infos: Mapping[str, Any]) -> None:
