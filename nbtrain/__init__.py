@@ -17,6 +17,7 @@ _LAZY = {
     "compare": ("nbtrain.compare", "compare"),
     "ComparisonResult": ("nbtrain.compare", "ComparisonResult"),
     "estimate_memory": ("nbtrain.memory", "estimate_memory"),
+    "launch": ("nbtrain.engine.launch", "launch"),
     "MemoryEstimate": ("nbtrain.memory", "MemoryEstimate"),
 }
 

@@ -38,6 +38,36 @@ class ProgressBar:
             self.bar.close()
 
 
+class JsonlEmitter:
+    """Streams run events as ``@nbtrain {json}`` lines on stdout, for ``nbt.launch`` to read back."""
+
+    PREFIX = "@nbtrain "
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+
+    def _emit(self, event: str, payload: dict) -> None:
+        import json
+
+        self.stream.write(self.PREFIX + json.dumps({"event": event, **payload}, default=str) + "\n")
+        self.stream.flush()
+
+    def on_run_start(self, info):
+        import dataclasses
+
+        fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.name not in ("config", "model")}
+        self._emit("run_start", {"info": fields})
+
+    def on_step_end(self, rec):
+        self._emit("step", {"record": rec.to_dict()})
+
+    def on_eval(self, rec):
+        self._emit("eval", {"record": rec.to_dict()})
+
+    def on_run_end(self, result):
+        self._emit("run_end", {"summary": result.summary})
+
+
 def _load_config(path: str, sets: Sequence[str]) -> TrainConfig:
     cfg = TrainConfig.from_yaml(path)
     if sets:
@@ -61,9 +91,13 @@ def cmd_train(args) -> int:
         cfg = cfg.replace(output_dir=args.output_dir)
     elif cfg.output_dir is None:
         cfg = cfg.replace(output_dir="runs/latest")
-    result = train(cfg, callbacks=[ProgressBar(cfg.log_every)])
-    print(f"wrote {cfg.output_dir}/ (config.yaml, history.csv, summary.json)")
-    _print_summary(result.summary)
+    import os
+
+    cbs = [JsonlEmitter()] if args.jsonl else [ProgressBar(cfg.log_every)]
+    result = train(cfg, callbacks=cbs)
+    if int(os.environ.get("RANK", "0")) == 0 and not args.jsonl:   # one report, from rank 0
+        print(f"wrote {cfg.output_dir}/ (config.yaml, history.csv, summary.json)")
+        _print_summary(result.summary)
     return 0
 
 
@@ -121,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one config")
     with_config(t)
     t.add_argument("--output-dir", default=None, help="where to write config.yaml, history.csv, summary.json")
+    t.add_argument("--jsonl", action="store_true", help="stream records as JSON lines on stdout (for nbt.launch)")
     t.set_defaults(fn=cmd_train)
 
     c = sub.add_parser("compare", help="train once per precision and print a side-by-side table")

@@ -29,15 +29,15 @@ import torch
 
 from .config import ConfigError, TrainConfig
 from .engine import loop as _loop  # module, not function: tests wrap _loop._run to watch the run order
-from .hardware import capabilities, default_device
+from .hardware import capabilities, default_device, resolve_precision
 
 # Config fields that change the initial weights on purpose (a LoRA adapter adds weights, QLoRA
 # quantises them, another model is another model). A differing init hash they explain is expected.
 INIT_FIELDS = ("model", "task", "data", "label_column", "method", "lora_r", "lora_alpha", "lora_targets",
                "quant_bits")
-# Config fields that change the token ids of the batches on purpose. micro_batch_size is here because
-# the engine's data hash covers each micro-batch as padded (to its longest row): 8 x 1 and 2 x 4 put the
-# same examples in every optimizer step (data/batching.py) but pad them differently.
+# Config fields that change the examples of the optimizer steps on purpose. The engine's data hash covers
+# the unpadded token ids of each step, so 8 x 1 and 2 x 4 hash alike; micro_batch_size and grad_accum_steps
+# are here because their product, the examples per step, changes what a step holds.
 DATA_FIELDS = ("model", "task", "data", "text_column", "label_column", "max_seq_len", "subset", "packing",
                "eval_fraction", "micro_batch_size", "grad_accum_steps", "max_steps", "epochs")
 # Fields that never explain a difference: changing them unpairs the runs.
@@ -56,6 +56,7 @@ class _Outcome:
 
     name: str
     overrides: dict
+    settings: dict                          # base config fields with the overrides, valid or not
     config: Optional[TrainConfig] = None
     result: Any = None                      # the first repeat's TrainResult
     status: str = "not_run"
@@ -69,7 +70,8 @@ class _Outcome:
 # compare()
 # ---------------------------------------------------------------------------------------------------------------
 def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16"),
-            subset: Optional[int] = None, max_steps: Optional[int] = None, variants: Optional[Mapping[str, Mapping[str, Any]]] = None,
+            subset: Optional[int] = None, max_steps: Optional[int] = None,
+            variants: Optional[Mapping[str, Mapping[str, Any]]] = None,
             repeats: int = 1, callbacks=None, warmup: bool = True) -> "ComparisonResult":
     """Train ``cfg`` once per variant in this process and return a side-by-side ComparisonResult.
 
@@ -93,7 +95,8 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     if subset is not None or max_steps is not None:
         given = {"subset": subset, "max_steps": max_steps}
         base = cfg.replace(**{k: v for k, v in given.items() if v is not None})
-    outcomes = [_Outcome(name, dict(ov)) for name, ov in _variant_specs(precisions, variants).items()]
+    outcomes = [_Outcome(name, dict(ov), {**base.to_dict(), **ov})
+                for name, ov in _variant_specs(precisions, variants).items()]
 
     for o in outcomes:
         try:
@@ -256,16 +259,9 @@ def _check_fairness(outcomes: list[_Outcome], reference: str) -> list[str]:
             if s.get(key) == ref_s.get(key):
                 continue
             explained = [f for f in changed if f in by_design]
-            same_examples = (set(explained) <= {"micro_batch_size", "grad_accum_steps"}
-                             and o.config.effective_batch_size == ref.config.effective_batch_size)
             if key == "data_hash" and s["steps"] != ref_s["steps"] and not unpaired:
                 # The data hash covers the steps a run took; a run that stopped early has a shorter one.
                 o.notes.append(f"data hash not comparable: {s['steps']} steps vs {ref_s['steps']}")
-            elif key == "data_hash" and explained and same_examples and not unpaired:
-                o.notes.append(f"data hash differs only by padding: micro-batches of "
-                               f"{o.config.micro_batch_size} vs {ref.config.micro_batch_size} are padded to "
-                               f"their own longest row; every step holds the same "
-                               f"{o.config.effective_batch_size} examples (data/batching.py)")
             elif explained and not unpaired:
                 verb = "differs" if len(explained) == 1 else "differ"
                 o.notes.append(f"{what} differ by design ({', '.join(explained)} {verb})")
@@ -299,11 +295,6 @@ def loss_difference(history: pd.DataFrame, reference: pd.DataFrame) -> tuple[flo
     return float(d.max()), float((d / np.maximum(np.abs(b[ok]), 1e-30)).max())
 
 
-def _setting(o: _Outcome, name: str):
-    """A config value of the variant; its override when its config was invalid."""
-    return getattr(o.config, name) if o.config is not None else o.overrides.get(name)
-
-
 def _num(v) -> float:
     return math.nan if v is None else float(v)
 
@@ -315,7 +306,7 @@ def _spread(values: list[float]) -> float:
 def _run_notes(o: _Outcome, caps) -> list[str]:
     """Notes a finished run earns: slow precision, skipped / non-finite steps, an early stop."""
     s = o.result.summary
-    notes = []
+    notes = list(s.get("notes") or [])   # the engine's own: an out-of-memory stop, auto batch size, a resume
     for option in (s["precision_used"], o.config.method):
         if caps.notes.get(option):   # name the option unless the variant is already named after it
             notes.append(caps.notes[option] if option == o.name else f"{option}: {caps.notes[option]}")
@@ -327,8 +318,8 @@ def _run_notes(o: _Outcome, caps) -> list[str]:
     reason = s["stopped_reason"]
     if reason == "nonfinite":
         notes.append(f"diverged: stopped at step {s['first_nonfinite_step']} (non-finite loss or gradients)")
-    elif reason == "out_of_memory":
-        notes.append(f"out of memory after {s['steps']} step(s); the other variants still ran")
+    elif reason == "out_of_memory" and s.get("advice"):
+        notes.append("to fit: " + "; ".join(s["advice"]))
     elif reason in ("stopped", "interrupted"):
         notes.append(f"{reason} after {s['steps']} step(s)")
     return notes
@@ -338,8 +329,8 @@ def _build_table(outcomes: list[_Outcome], reference: str) -> pd.DataFrame:
     caps = capabilities()
     ref = next((o for o in outcomes if o.name == reference and o.result is not None), None)
     ref_tps = statistics.median(t for t, _ in ref.timings) if ref is not None and ref.timings else math.nan
-    causal = any(o.config is not None and o.config.task == "causal-lm" for o in outcomes)
-    classify = any(o.config is not None and o.config.task != "causal-lm" for o in outcomes)
+    causal = any(o.settings["task"] == "causal-lm" for o in outcomes)
+    classify = any(o.settings["task"] != "causal-lm" for o in outcomes)
     rows = []
     for o in outcomes:
         res = o.result
@@ -350,16 +341,16 @@ def _build_table(outcomes: list[_Outcome], reference: str) -> pd.DataFrame:
         diff_abs, diff_rel = (loss_difference(h, ref.result.history) if res is not None and ref is not None
                               else (math.nan, math.nan))
         scales = h["scale"].astype(float) if h is not None and len(h) else pd.Series([], dtype=float)
-        precision = s.get("precision_used") or (o.config.resolved_precision() if o.config is not None
-                                                else str(o.overrides.get("precision", "")) or None)
+        precision = s.get("precision_used") or resolve_precision(o.settings["precision"])
         row = {
             "variant": o.name,
             "status": o.status,
             "precision_used": precision,
             "device": s.get("device") or default_device(),
-            "micro_batch": _setting(o, "micro_batch_size"),
-            "grad_accum": _setting(o, "grad_accum_steps"),
-            "method": _setting(o, "method"),
+            # what the run used (auto_batch_size may change it), else what was asked for
+            "micro_batch": s.get("micro_batch_size", o.settings["micro_batch_size"]),
+            "grad_accum": s.get("grad_accum_steps", o.settings["grad_accum_steps"]),
+            "method": o.settings["method"],
             "steps": s.get("steps"),
             "wall_s": wall,
             "wall_s_spread": _spread([w for _, w in o.timings]),
@@ -401,12 +392,13 @@ def _build_table(outcomes: list[_Outcome], reference: str) -> pd.DataFrame:
 # ComparisonResult
 # ---------------------------------------------------------------------------------------------------------------
 _TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "steps",
-                 "wall_s", "tokens_per_s", "speedup", "peak_vram_gib", "peak_host_rss_gib", "final_loss", "eval_loss",
-                 "eval_perplexity", "eval_accuracy", "max_abs_loss_diff", "skipped_steps", "nonfinite_steps",
-                 "min_scale", "fair")
+                 "wall_s", "tokens_per_s", "speedup", "peak_vram_gib", "peak_host_rss_gib", "final_loss",
+                 "eval_loss", "eval_perplexity", "eval_accuracy", "max_abs_loss_diff", "skipped_steps",
+                 "nonfinite_steps", "min_scale", "fair")
 _FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.0f}",
             "tokens_per_s_spread": "{:,.0f}", "speedup": "{:.2f}x", "peak_vram_gib": "{:.2f}",
-            "peak_host_rss_gib": "{:.2f}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "eval_perplexity": "{:.1f}", "eval_accuracy": "{:.3f}",
+            "peak_host_rss_gib": "{:.2f}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}",
+            "eval_perplexity": "{:.1f}", "eval_accuracy": "{:.3f}",
             "max_abs_loss_diff": "{:.2e}", "max_rel_loss_diff": "{:.2e}", "min_scale": "{:g}"}
 
 

@@ -407,13 +407,14 @@ class _Trace:
         # fp32 copy and the dropout output live only while the adapter runs, beside the base output
         xl = x if x.size == 4 else _T(x.elems, 4, x.rg)
         xd = xl
-        extra = out.elems * out.size + (4 * x.elems if xl is not x else 0)
+        drop_out = 0
         if self.dropout:
             if xl.rg:
                 self.save(_T(xl.elems, self.mask_bytes or xl.size, False))
             xd = _T(xl.elems, 4, xl.rg)
-            if self.ac:
-                extra += 4 * x.elems
+            drop_out = 4 * x.elems if self.ac else 0   # without autocast lora_A keeps it (saved)
+        # short-lived: the fp32 copy, then the dropout output, or lora_B's output and its scaled copy
+        extra = (4 * x.elems if xl is not x else 0) + max(drop_out, 2 * spec.n_out * (self.ac or 4))
         self.fwd_extra = max(self.fwd_extra, extra)
         self.save(self.cast(xd))
         a_out = _T(r, self.ac or 4, True)

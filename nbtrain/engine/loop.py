@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from ..config import TrainConfig
 from ..hardware import capabilities, default_device
 from .callbacks import CallbackList, StopTraining
+from .distributed import agree, all_reduce_sum, close_distributed, init_distributed, shard, wrap_ddp
 from .doctor import grad_underflow_share
 from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state, trainable_state
 from .precision import PRECISION_TABLE, autocast, global_torch_state, make_scaler
@@ -169,9 +172,13 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a TrainConfig, got {type(cfg).__name__}")
-    cbs = CallbackList(callbacks)
     stop_event = stop_event or threading.Event()
     device = default_device()
+    # Under torchrun / accelerate launch: one process per rank, the same loop; rank 0 alone observes and writes.
+    dist_ctx = init_distributed(device)
+    rank, world = (dist_ctx.rank, dist_ctx.world) if dist_ctx else (0, 1)
+    cbs = CallbackList(callbacks if rank == 0 else [])
+    stop_file = os.environ.get("NBTRAIN_STOP_FILE")
     caps = capabilities(device)
     precision = cfg.resolved_precision()
     spec = PRECISION_TABLE[precision]
@@ -192,6 +199,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         if cfg.auto_batch_size:
             cfg, note = _auto_batch_size(cfg, model, params, data, spec, device)
             notes.append(note)
+        fwd_model = wrap_ddp(model, dist_ctx) if dist_ctx else model
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       fused=(device == "cuda"))
         spe = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
@@ -227,7 +235,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                        max_grad_norm=cfg.max_grad_norm, variant=variant, model=model)
         stopped_reason = "max_steps" if cfg.max_steps is not None else "epochs"
         eval_bs = cfg.micro_batch_size
-        ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.output_dir else None
+        ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and rank == 0 else None
 
         def run_eval(step: int) -> None:
             res = evaluate(model, data.eval, data.task, data.pad_token_id, eval_bs, spec, device)
@@ -246,13 +254,18 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             stop_requested = True
             stopped_reason = "stopped"
         t_start = t_prev = time.perf_counter() - (records[-1].elapsed_s if records else 0.0)
-        batches = iter_steps(data.train, cfg.micro_batch_size, cfg.grad_accum_steps, cfg.seed,
+        # Every rank walks the same global order; global micro-batches of micro x world rows, each rank takes
+        # its share, so N processes x micro m see exactly the examples of 1 process x micro N*m.
+        batches = iter_steps(data.train, cfg.micro_batch_size * world, cfg.grad_accum_steps, cfg.seed,
                              data.pad_token_id, data.task, start_step=start_step)
         step = start_step
         underflow = None
         try:
             while step < total_steps and not stop_requested:
-                if stop_event.is_set():
+                stop_now = stop_event.is_set() or bool(stop_file and os.path.exists(stop_file))
+                if world > 1:
+                    stop_now = agree(stop_now, dist_ctx)   # every rank must leave the loop at the same step
+                if stop_now:
                     stopped_reason = "stopped"
                     break
                 step += 1
@@ -266,12 +279,20 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 # is cut into micro-batches; chained as bytes (not a hashlib object) so it survives a checkpoint.
                 step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes() for mb in micro)
                 data_hash = hashlib.blake2b(data_hash + step_ids, digest_size=8).digest()
-                for mb in micro:
+                local = micro if world == 1 else [shard(mb, data, rank, world) for mb in micro]
+                for i, mb in enumerate(local):
                     mb = mb.to(device, non_blocking=True)
-                    with autocast(spec, device):
-                        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                    loss = loss_sum(logits, mb.labels, data.task) / n_targets
-                    scaler.scale(loss).backward()       # identity when the scaler is disabled
+                    # DDP: all-reduce gradients only on the step's last micro-batch.
+                    sync = world == 1 or i == len(local) - 1
+                    with contextlib.nullcontext() if sync else fwd_model.no_sync():
+                        with autocast(spec, device):
+                            logits = fwd_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                        loss = loss_sum(logits, mb.labels, data.task) / n_targets
+                        if mb.n_targets == 0:
+                            loss = loss * 0.0   # a rank left without rows in a short batch still joins the all-reduce
+                        # DDP averages gradients over ranks; x world makes that the global sum. scale() is the
+                        # identity when the scaler is disabled.
+                        scaler.scale(loss * world if world > 1 else loss).backward()
                     loss_acc += loss.detach()
                     del logits, loss
                 # Last micro-batch done: bring gradients back to their true scale before measuring them.
@@ -280,6 +301,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                     underflow = grad_underflow_share(params)
                 norm = _grad_norm(params, cfg.max_grad_norm)
                 lr = optimizer.param_groups[0]["lr"]
+                if world > 1:
+                    all_reduce_sum(loss_acc)   # the step's loss over every rank's tokens
                 # SYNC POINT (one per step): loss and grad norm to the host. A GradScaler step reads found_inf
                 # anyway, and without a scaler we must know finiteness before stepping.
                 loss_v, norm_v = torch.stack([loss_acc.float(), norm.float().to(loss_acc.device)]).tolist()
@@ -331,8 +354,10 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                             "first_nonfinite": first_nonfinite, "records": [r.to_dict() for r in records],
                             "evals": [r.to_dict() for r in evals], "config": cfg.to_dict()}, cfg.to_yaml())
                 except StopTraining:
-                    stopped_reason = "stopped"
-                    break
+                    if world == 1:
+                        stopped_reason = "stopped"
+                        break
+                    stop_event.set()   # the other ranks learn it at the next step's agreement
         except KeyboardInterrupt:
             stopped_reason = "interrupted"
         except (torch.OutOfMemoryError, MemoryError) as e:
@@ -348,7 +373,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 if device == "cuda":
                     torch.cuda.empty_cache()
         wall = time.perf_counter() - t_start
-        if stopped_reason not in ("interrupted", "out_of_memory") and data.eval:
+        if stopped_reason not in ("interrupted", "out_of_memory") and data.eval and rank == 0:
             try:
                 run_eval(step)
             except StopTraining:
@@ -369,12 +394,16 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         result = TrainResult(history=_frame(records, STEP_FIELDS), eval_history=_frame(evals, _EVAL_FIELDS),
                              summary=summary, model=model, tokenizer=tokenizer, config=cfg, info=info,
                              records=records)
-        if cfg.output_dir:
+        summary["world_size"] = world
+        if cfg.output_dir and rank == 0:
             write_outputs(result, cfg.output_dir)
         try:
             cbs.fire("on_run_end", result)
         except StopTraining:
             pass
+        finally:
+            if dist_ctx:
+                close_distributed(dist_ctx)
         return result
 
 

@@ -7,6 +7,7 @@ GradScaler refuse to unscale their gradients.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -44,7 +45,10 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ModelError(f"gradient_checkpointing: {type(model).__name__} does not support it; set "
                          "gradient_checkpointing=False")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_CHECKPOINT_KWARGS))
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(_CHECKPOINT_KWARGS))
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_CHECKPOINT_KWARGS))
 
 
 def apply_full(model: torch.nn.Module, cfg) -> torch.nn.Module:
@@ -79,30 +83,34 @@ def lora_config(cfg, model: torch.nn.Module, task: str):
     )
 
 
-def apply_lora(model: torch.nn.Module, cfg, task: str, checkpointing_enabled: bool = False) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, cfg, task: str) -> torch.nn.Module:
     """LoRA adapters on the targets; the base is frozen (the head of a classifier trains)."""
     from peft import get_peft_model
 
     lcfg = lora_config(cfg, model, task)
-    if cfg.gradient_checkpointing and not checkpointing_enabled:
-        enable_checkpointing(model)
     if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
         # with a frozen embedding nothing before the first checkpointed block needs a gradient;
         # marking the embedding output keeps the recomputed blocks in the graph with any checkpoint style
         model.enable_input_require_grads()
-    with warnings.catch_warnings():
-        # peft reads a transformers attribute that is deprecated in 5.x; the notice is not for users
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft():
         return get_peft_model(model, lcfg)
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """Hide peft's use of a transformers attribute deprecated in 5.x; the notice is not for users."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def prepare_qlora(model: torch.nn.Module, cfg) -> torch.nn.Module:
     """Freeze a quantised base and make it trainable through adapters (peft's k-bit preparation)."""
     from peft import prepare_model_for_kbit_training
 
-    return prepare_model_for_kbit_training(
-        model, use_gradient_checkpointing=cfg.gradient_checkpointing,
-        gradient_checkpointing_kwargs=dict(_CHECKPOINT_KWARGS))
+    # checkpointing is left to apply_lora, the same way as for plain LoRA
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def _keep_cpu_4bit_layout(model: torch.nn.Module) -> None:
@@ -160,7 +168,7 @@ def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: 
         model = apply_lora(model, cfg, task)
     else:
         _keep_cpu_4bit_layout(model)
-        model = prepare_qlora(model, cfg)  # enables checkpointing itself when asked
-        model = apply_lora(model, cfg, task, checkpointing_enabled=True)
+        model = prepare_qlora(model, cfg)
+        model = apply_lora(model, cfg, task)
     cast_trainable_fp32(model)
     return model.train()

@@ -127,6 +127,8 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain fp32 CPU copy of a peft ``model`` with its LoRA weights merged into the base."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
+    from .methods import quiet_peft
+
     if not _is_peft(model):
         return plain_base_copy(model)
     name = model.active_adapter
@@ -134,7 +136,8 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     pcfg = copy.deepcopy(model.peft_config[name])
     pcfg.inference_mode = True
     pcfg.base_model_name_or_path = fresh.__dict__.get("name_or_path") or None  # as peft sets it
-    pm = get_peft_model(fresh, pcfg, adapter_name=name)
+    with quiet_peft():
+        pm = get_peft_model(fresh, pcfg, adapter_name=name)
     state = {k: v.detach().to("cpu", torch.float32)
              for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
     result = set_peft_model_state_dict(pm, state, adapter_name=name)

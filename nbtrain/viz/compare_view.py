@@ -87,8 +87,7 @@ def _not_run_text(not_run: Mapping[str, str]) -> str:
         return ""
     # A title does not wrap: shorten each reason (the table has it in full); escape only what plotly's
     # HTML subset would read as markup.
-    parts = [f"{html.escape(str(n), quote=False)}: {html.escape(_shorten(str(r or 'did not run')), quote=False)}"
-             for n, r in not_run.items()]
+    parts = [html.escape(f"{n}: {_shorten(str(r or 'did not run'))}", quote=False) for n, r in not_run.items()]
     return "<br><sup>not run: " + " | ".join(parts) + "</sup>"
 
 

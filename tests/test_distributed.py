@@ -1,0 +1,94 @@
+"""Issue 9: the same loop on several processes (gloo on CPU), launched by torchrun, accelerate and nbt.launch."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pandas as pd
+import psutil
+import pytest
+
+import nbtrain as nbt
+from nbtrain.engine.launch import launch_command
+
+from .helpers import Collect
+
+BASE = dict(model="tiny", subset=64, max_seq_len=48, max_steps=4, eval_fraction=0.0, precision="fp32", lr=1e-3)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run_cli(cmd, out_dir):
+    proc = subprocess.run(cmd + ["--output-dir", str(out_dir)], env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return pd.read_csv(out_dir / "history.csv")
+
+
+def _assert_same_losses(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a["loss"], b["loss"]):
+        assert abs(x - y) <= 1e-5 * abs(y), (x, y)
+    assert list(a["tokens"]) == list(b["tokens"])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """1 process x micro 8 (and micro 4 x accum 2), the references."""
+    d = tmp_path_factory.mktemp("single")
+    r8 = nbt.train(nbt.TrainConfig(**BASE, micro_batch_size=8))
+    r4x2 = nbt.train(nbt.TrainConfig(**BASE, micro_batch_size=4, grad_accum_steps=2))
+    return d, r8.history, r4x2.history
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_two_processes_equal_one(single, tmp_path, launcher):
+    _, ref, _ = single
+    cfg_path = tmp_path / "c.yaml"
+    nbt.TrainConfig(**BASE, micro_batch_size=4).to_yaml(cfg_path)
+    cmd = [c for c in launch_command(str(cfg_path), 2, launcher) if c != "--jsonl"]
+    hist = _run_cli(cmd, tmp_path / "out")
+    _assert_same_losses(hist, ref)
+    import json
+
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["world_size"] == 2
+
+
+def test_two_processes_with_accumulation(single, tmp_path):
+    """2 ranks x micro 2 x accum 2 (no_sync on the first micro-batch) equals 1 x micro 4 x accum 2."""
+    _, _, ref = single
+    cfg_path = tmp_path / "c.yaml"
+    nbt.TrainConfig(**BASE, micro_batch_size=2, grad_accum_steps=2).to_yaml(cfg_path)
+    cmd = [c for c in launch_command(str(cfg_path), 2, "torchrun") if c != "--jsonl"]
+    _assert_same_losses(_run_cli(cmd, tmp_path / "out"), ref)
+
+
+def test_launch_streams_records_to_callbacks(single):
+    _, ref, _ = single
+    seen = Collect()
+    run = nbt.launch(nbt.TrainConfig(**BASE, micro_batch_size=4), num_processes=2, callbacks=[seen])
+    result = run.wait(300)
+    assert result is not None and run.done
+    assert seen.info.precision_used == "fp32" and len(seen.records) == 4 and seen.result is result
+    _assert_same_losses(result.history, ref)
+    assert result.summary["world_size"] == 2 and result.summary["stopped_reason"] == "max_steps"
+
+
+def test_launch_stop_ends_all_workers():
+    gate = threading.Event()
+
+    class Gate:
+        def on_step_end(self, rec):
+            if rec.step >= 2:
+                gate.set()
+
+    cfg = nbt.TrainConfig(**{**BASE, "max_steps": 100000}, micro_batch_size=4)
+    run = nbt.launch(cfg, num_processes=2, callbacks=[Gate()])
+    assert gate.wait(300), "\n".join(run.log[-20:])
+    children = psutil.Process(run.process.pid).children(recursive=True)
+    assert len([c for c in children if "nbtrain" in " ".join(c.cmdline())]) >= 2
+    run.stop()
+    result = run.wait(120)
+    assert result.summary["stopped_reason"] == "stopped" and 2 <= len(result.history) < 100000
+    assert run.process.poll() is not None
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
