@@ -7,6 +7,7 @@ ipywidgets, plotly or IPython (DESIGN rule 1).
 from .config import ConfigError, TrainConfig
 from .engine import (CallbackError, CheckpointError, EvalRecord, Finding, Run, RunInfo, StepRecord, StopTraining,
                      TrainResult, scan_fp16_overflow, start, train)
+from .compare import ComparisonResult, compare
 from .hardware import Capabilities, capabilities
 
 __version__ = "0.1.0"
@@ -14,15 +15,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "LiveDashboard": ("nbtrain.viz.dashboard", "LiveDashboard"),
     "Panel": ("nbtrain.ui.panel", "Panel"),
-    "compare": ("nbtrain.compare", "compare"),
-    "ComparisonResult": ("nbtrain.compare", "ComparisonResult"),
     "estimate_memory": ("nbtrain.memory", "estimate_memory"),
     "launch": ("nbtrain.engine.launch", "launch"),
     "MemoryEstimate": ("nbtrain.memory", "MemoryEstimate"),
 }
 
 __all__ = ["TrainConfig", "ConfigError", "train", "start", "Run", "TrainResult", "StepRecord", "EvalRecord",
-           "RunInfo", "StopTraining", "CallbackError", "CheckpointError", "Finding", "scan_fp16_overflow", "capabilities", "Capabilities", *_LAZY]
+           "RunInfo", "StopTraining", "CallbackError", "CheckpointError", "Finding", "scan_fp16_overflow", "capabilities", "Capabilities", "compare", "ComparisonResult", *_LAZY]
 
 
 def __getattr__(name: str):

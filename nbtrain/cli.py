@@ -1,4 +1,4 @@
-"""The ``nbtrain`` command: train, compare, estimate and demo, for scripts, CI and terminals."""
+"""The ``nbtrain`` command: train, compare, estimate, export and demo, for scripts, CI and terminals."""
 
 from __future__ import annotations
 
@@ -123,6 +123,18 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .integrations.exports import export_text
+
+    cfg = _load_config(args.config, args.set)
+    text = export_text(cfg, args.to, args.out)
+    if args.out:
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def demo_config() -> TrainConfig:
     """The embedded default the demo runs: the tiny preset on the builtin Python docs."""
     return TrainConfig(model="tiny", data="builtin:python-docs", max_seq_len=64, micro_batch_size=8,
@@ -170,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("estimate", help="estimate the memory a config needs, with advice when it does not fit")
     with_config(e)
     e.set_defaults(fn=cmd_estimate)
+
+    x = sub.add_parser("export", help="write the config for transformers, LLaMA-Factory, AutoTrain or accelerate")
+    with_config(x)
+    x.add_argument("--to", required=True, choices=["training-args", "llamafactory", "autotrain", "accelerate-config"],
+                   help="training-args: JSON of TrainingArguments keywords (+ peft/bitsandbytes configs); the "
+                        "others: YAML for that tool")
+    x.add_argument("--out", default=None, help="write here instead of printing")
+    x.set_defaults(fn=cmd_export)
 
     d = sub.add_parser("demo", help="compare fp32, bf16 and fp16 on the embedded default")
     d.add_argument("--html", default="demo-report.html")

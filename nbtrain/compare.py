@@ -3,7 +3,7 @@
 Fair means: every variant starts from the same initial weights and sees the same batches in the same
 order. The engine builds each model from ``cfg.seed`` and orders the data by the seed alone, so this
 holds by construction; compare() also *checks* it, with the hash of the initial weights and the hash
-of the token ids of every batch that each run records, and says in the table what differs and why.
+of the unpadded token ids of every step that each run records, and says in the table what differs and why.
 
 Plotting, widgets and IPython are imported only inside the methods that draw (DESIGN rule 1).
 """

@@ -83,6 +83,10 @@ class TrainConfig(BaseModel):
     nonfinite: Optional[NonFinitePolicy] = Field(
         None, description="what a non-finite step does without a GradScaler: skip, stop or continue "
                           "(default: skip with a scaler, stop without)")
+    chunked_loss: bool = Field(False, description="causal LM: compute the loss chunk by chunk from the hidden "
+                                                  "states, never materialising the full fp32 logits")
+    loss_chunk_tokens: int = Field(4096, ge=16, description="target tokens per chunk of the chunked loss")
+    compile: bool = Field(False, description="torch.compile the model (first steps pay the compile time)")
     auto_batch_size: bool = Field(False, description="find the largest micro batch that fits and raise "
                                                      "grad_accum_steps to keep the effective batch")
     save_every: Optional[int] = Field(None, ge=1, description="write a checkpoint every N optimizer steps "
@@ -145,6 +149,9 @@ class TrainConfig(BaseModel):
         if self.packing and self.task != "causal-lm":
             raise ValueError("packing: True only applies to task='causal-lm'; set packing=False for "
                              f"task={self.task!r}")
+        if self.chunked_loss and self.task != "causal-lm":
+            raise ValueError("chunked_loss: True only applies to task='causal-lm' (a classifier has no vocab-sized "
+                             "logits)")
         if self.save_every and not self.output_dir:
             raise ValueError(f"save_every: {self.save_every} needs output_dir to be set (checkpoints go to "
                              "output_dir/checkpoints)")

@@ -414,7 +414,8 @@ class _Trace:
             xd = _T(xl.elems, 4, xl.rg)
             drop_out = 4 * x.elems if self.ac else 0   # without autocast lora_A keeps it (saved)
         # short-lived: the fp32 copy, then the dropout output, or lora_B's output and its scaled copy
-        extra = (4 * x.elems if xl is not x else 0) + max(drop_out, 2 * spec.n_out * (self.ac or 4))
+        extra = ((4 * x.elems if xl is not x else 0) + max(drop_out, 2 * spec.n_out * (self.ac or 4))
+                 + (0 if id(x) in self.saved else x.elems * x.size))   # the input itself, held by the call
         self.fwd_extra = max(self.fwd_extra, extra)
         self.save(self.cast(xd))
         a_out = _T(r, self.ac or 4, True)

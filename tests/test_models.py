@@ -24,6 +24,16 @@ CAUSAL, CLS = "causal-lm", "sequence-classification"
 TINY_LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # these models are too small to gain from a second thread, and on a busy machine (parallel test
+    # runs) two OpenMP threads waiting on each other make every step several times slower
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _cfg(**kw) -> TrainConfig:
     kw.setdefault("data", "builtin:python-docs")
     return TrainConfig(**kw)
@@ -139,13 +149,16 @@ def test_tokenizer_special_tokens_roundtrip_and_reload(tok, tmp_path):
     assert load_tokenizer(_cfg()).padding_side == "right"
 
 
+def _blocks(tok, docs, seq):
+    ids = [i for text in docs for i in tok(text)["input_ids"]]
+    return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+
+
 def test_tiny_learns_on_the_builtin_text(tok):
-    ids = tok("\n\n".join(builtin_corpus()[:30]), add_special_tokens=False)["input_ids"]
-    seq = 32
-    blocks = torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+    blocks = _blocks(tok, builtin_corpus()[:30], 32)
     held_out, train = blocks[:8], blocks[8:]
     model = _build(_cfg(), tok)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
 
     def lm_loss(b):
@@ -154,7 +167,7 @@ def test_tiny_learns_on_the_builtin_text(tok):
 
     with torch.no_grad():
         before = lm_loss(held_out).item()
-    for _ in range(30):
+    for _ in range(15):
         loss = lm_loss(train[torch.randint(len(train), (8,), generator=g)])
         loss.backward()
         opt.step()
@@ -162,13 +175,13 @@ def test_tiny_learns_on_the_builtin_text(tok):
     with torch.no_grad():
         after = lm_loss(held_out).item()
     assert before == pytest.approx(torch.log(torch.tensor(float(len(tok)))).item(), abs=0.3)
-    assert after < before - 0.4, (before, after)
+    assert after < before - 0.5, (before, after)  # ~0.7 observed
 
 
 @pytest.mark.slow
 def test_tiny_learns_at_the_default_settings(tok):
-    ids = tok("\n\n".join(builtin_corpus()), add_special_tokens=False)["input_ids"]
-    blocks = torch.tensor(ids[: len(ids) // 128 * 128]).view(-1, 128)
+    # the brief's bar: lr 3e-4, batch 8, sequences of 128, 50 steps
+    blocks = _blocks(tok, builtin_corpus(), 128)
     model = _build(_cfg(), tok)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     g = torch.Generator().manual_seed(0)
@@ -251,7 +264,7 @@ def test_unknown_lora_target_is_refused_with_the_valid_names(tok):
 
 def test_known_module_names(tok, tmp_path):
     assert known_module_names("tiny", CAUSAL) == TINY_LINEAR | {"lm_head"}
-    assert known_module_names("tiny", CLS) == TINY_LINEAR | {"score"}
+    assert known_module_names("tiny", CLS) == TINY_LINEAR  # the new head trains whole, not by LoRA
     _build(_cfg(), tok).save_pretrained(tmp_path / "m")
     assert known_module_names(str(tmp_path / "m"), CAUSAL) == TINY_LINEAR | {"lm_head"}
     assert known_module_names("no-such-org/no-such-model-xyz", CAUSAL) is None  # not cached: can't tell
@@ -453,7 +466,7 @@ def minilm_dir():
     return str(pkg.get_model_path())
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
+@pytest.mark.parametrize("method", ["lora", pytest.param("qlora", marks=pytest.mark.slow)])
 def test_minilm_classifier(minilm_dir, method):
     cfg = _cfg(model=minilm_dir, task=CLS, method=method, data="builtin:python-docs-topics")
     tok = load_tokenizer(cfg)

@@ -22,6 +22,7 @@ from ..hardware import capabilities, default_device
 from .callbacks import CallbackList, StopTraining
 from .distributed import agree, all_reduce_sum, close_distributed, init_distributed, shard, wrap_ddp
 from .doctor import grad_underflow_share
+from .losses import chunked_loss_sum, split_for_chunked_loss
 from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state, trainable_state
 from .precision import PRECISION_TABLE, autocast, global_torch_state, make_scaler
 from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
@@ -200,6 +201,15 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             cfg, note = _auto_batch_size(cfg, model, params, data, spec, device)
             notes.append(note)
         fwd_model = wrap_ddp(model, dist_ctx) if dist_ctx else model
+        chunked = cfg.chunked_loss and data.task == "causal-lm"
+        if chunked:
+            if dist_ctx:
+                raise ValueError("chunked_loss: not supported with several processes yet (DDP must see the "
+                                 "whole forward); set chunked_loss=False")
+            split_for_chunked_loss(model)   # fail before step 1 if the model cannot use it
+        if cfg.compile:
+            # The first steps pay the compile time; step_time_s shows it.
+            fwd_model = torch.compile(fwd_model)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       fused=(device == "cuda"))
         spe = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
@@ -277,7 +287,9 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 loss_acc = torch.zeros((), device=device)
                 # Fairness fingerprint: the real (unpadded) token ids of this step, independent of how the step
                 # is cut into micro-batches; chained as bytes (not a hashlib object) so it survives a checkpoint.
-                step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes() for mb in micro)
+                step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes()
+                                    + (mb.labels.numpy().tobytes() if data.task != "causal-lm" else b"")
+                                    for mb in micro)
                 data_hash = hashlib.blake2b(data_hash + step_ids, digest_size=8).digest()
                 local = micro if world == 1 else [shard(mb, data, rank, world) for mb in micro]
                 for i, mb in enumerate(local):
@@ -286,8 +298,14 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                     sync = world == 1 or i == len(local) - 1
                     with contextlib.nullcontext() if sync else fwd_model.no_sync():
                         with autocast(spec, device):
-                            logits = fwd_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                        loss = loss_sum(logits, mb.labels, data.task) / n_targets
+                            if chunked:
+                                logits = None
+                                loss = chunked_loss_sum(fwd_model, mb.input_ids, mb.attention_mask, mb.labels,
+                                                        cfg.loss_chunk_tokens) / n_targets
+                            else:
+                                logits = fwd_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                        if not chunked:
+                            loss = loss_sum(logits, mb.labels, data.task) / n_targets
                         if mb.n_targets == 0:
                             loss = loss * 0.0   # a rank left without rows in a short batch still joins the all-reduce
                         # DDP averages gradients over ranks; x world makes that the global sum. scale() is the

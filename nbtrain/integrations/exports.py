@@ -290,7 +290,9 @@ class _Reader:
             raise ConfigError(f"{self.where}: {e}", field=e.field, errors=e.errors) from None
         message = ""
         if self.unmapped:
-            items = [f"{k}={v!r} ({self.why[k]})" for k, v in self.unmapped.items()]
+            # a Hub token in the file must not end up in logs
+            items = [f"{k}={'<hidden>' if 'token' in k.lower() else repr(v)} ({self.why[k]})"
+                     for k, v in self.unmapped.items()]
             message = (f"{self.where}: {len(items)} key(s) do not map to nbtrain and were not used: "
                        + "; ".join(items))
         return cfg, self.unmapped, message
@@ -362,6 +364,8 @@ def _llamafactory_sections(cfg: TrainConfig) -> tuple[dict[str, dict[str, Any]],
     if cfg.data.startswith("builtin:"):
         notes["data"] = (f"{cfg.data!r} is an nbtrain builtin: write its texts to a file and register that "
                          "file under this dataset name")
+    if cfg.output_dir is None:
+        notes["output_dir"] = "output_dir=None: written as 'runs/llamafactory' (LLaMA-Factory needs one)"
     notes.update(_non_default_notes(cfg, ("nonfinite", "auto_batch_size", "resume_from"),
                                     "has no LLaMA-Factory key"))
     model = {"model_name_or_path": cfg.model}
@@ -662,15 +666,18 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
                                               "lora_targets", "quant_bits"),
                                         "has no key in AutoTrain's text classification"))
     name = _project_name(cfg.output_dir)
-    if cfg.output_dir and name != cfg.output_dir:
+    if name != cfg.output_dir:
         notes["output_dir"] = f"output_dir={cfg.output_dir!r} becomes project_name {name!r} (letters, digits, -)"
     if cfg.data.startswith("builtin:"):
         notes["data"] = f"{cfg.data!r} is an nbtrain builtin: write its texts to a csv/jsonl file for AutoTrain"
     if llm and not cfg.packing:
         notes["packing"] = "AutoTrain packs causal-LM text into block_size blocks (packing=False has no setting)"
+    if cfg.eval_fraction:
+        notes["eval_fraction"] = (f"eval_fraction={cfg.eval_fraction}: AutoTrain evaluates only on a named "
+                                  "valid_split; none is set")
     notes.update(_non_default_notes(
-        cfg, ("subset", "eval_fraction", "eval_every", "save_every", "nonfinite", "auto_batch_size",
-              "resume_from"), "has no AutoTrain key"))
+        cfg, ("subset", "eval_every", "save_every", "nonfinite", "auto_batch_size", "resume_from"),
+        "has no AutoTrain key"))
 
     path, split = _split_local_file(cfg.data)
     columns = {"text_column": cfg.text_column}

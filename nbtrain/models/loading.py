@@ -168,15 +168,17 @@ def _stamp(model: str) -> float | None:
 @functools.lru_cache(maxsize=64)
 def _known(model: str, task: str, stamp: float | None) -> frozenset[str] | None:
     try:
-        return frozenset(linear_module_names(meta_model(model, task)))
-    except ModelError:
+        meta = meta_model(model, task)
+    except Exception:  # noqa: BLE001 - any failure here only means "cannot tell without loading"
         return None
+    heads = set(head_module_names(meta)) if task == SEQ_CLS else set()
+    return frozenset(linear_module_names(meta) - heads)
 
 
 def known_module_names(model: str, task: str) -> set[str] | None:
-    """Leaf names of the Linear-like modules of ``model`` that LoRA could target, for a preset or a
-    local directory (built on the meta device, cheap) or a Hub id already in the local cache;
-    None when that cannot be told without a download."""
+    """Leaf names of the Linear-like modules of ``model`` that LoRA could target (a classifier's new
+    head is not one: it trains whole), for a preset or a local directory (built on the meta device,
+    cheap) or a Hub id already in the local cache; None when that cannot be told without a download."""
     names = _known(model, task, _stamp(model))
     return set(names) if names is not None else None
 

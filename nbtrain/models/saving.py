@@ -7,7 +7,9 @@ What ``save_model(model, tokenizer, cfg, path)`` writes:
   with ``AutoPeftModelFor....from_pretrained(path)`` or ``PeftModel.from_pretrained(base, path)``.
   For the ``tiny`` preset, whose random base exists nowhere else, the base is written to
   ``path/base_model`` and the adapter points at it. For QLoRA that base is the *dequantised*
-  4/8-bit weights the adapter was trained against, in fp32;
+  4/8-bit weights the adapter was trained against, in fp32. For any other model the adapter points
+  at ``cfg.model`` (the local directory, or the Hub id); a QLoRA adapter then reproduces the
+  trained model exactly when that base is loaded with the same ``BitsAndBytesConfig``;
 * ``merged=True``: the adapter merged into the base weights, as a plain transformers model in
   fp32; for QLoRA the base is dequantised first, so the merged model computes what was trained.
 
