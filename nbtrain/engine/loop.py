@@ -287,9 +287,9 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 loss_acc = torch.zeros((), device=device)
                 # Fairness fingerprint: the real (unpadded) token ids of this step, independent of how the step
                 # is cut into micro-batches; chained as bytes (not a hashlib object) so it survives a checkpoint.
-                step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes()
-                                    + (mb.labels.numpy().tobytes() if data.task != "causal-lm" else b"")
-                                    for mb in micro)
+                step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes() for mb in micro)
+                if data.task != "causal-lm":   # class labels are data too
+                    step_ids += b"".join(mb.labels.numpy().tobytes() for mb in micro)
                 data_hash = hashlib.blake2b(data_hash + step_ids, digest_size=8).digest()
                 local = micro if world == 1 else [shard(mb, data, rank, world) for mb in micro]
                 for i, mb in enumerate(local):
