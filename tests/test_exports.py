@@ -117,7 +117,7 @@ def test_trainer_from_training_arguments_matches_nbtrain(tmp_path, accum, exact_
     from transformers import Trainer
 
     cfg = nbt.TrainConfig(model="tiny", data="builtin:python-docs", subset=32, max_seq_len=32, micro_batch_size=4,
-                          grad_accum_steps=accum, max_steps=2, eval_fraction=0.0, precision="fp32", lr=1e-3,
+                          grad_accum_steps=accum, max_steps=3, eval_fraction=0.0, precision="fp32", lr=1e-3,
                           max_grad_norm=1.0, scheduler="constant" if exact_schedule else "cosine",
                           warmup_steps=2 if exact_schedule else 0)
     ours = nbt.train(cfg).history
@@ -132,7 +132,7 @@ def test_trainer_from_training_arguments_matches_nbtrain(tmp_path, accum, exact_
     trainer = SameBatches(model=model, args=args, optimizers=optimizers)
     trainer.train()
     logs = [row for row in trainer.state.log_history if "loss" in row]
-    assert [row["step"] for row in logs] == [1, 2]
+    assert [row["step"] for row in logs] == [1, 2, 3]
     for row, (_, rec) in zip(logs, ours.iterrows()):
         assert row["loss"] == pytest.approx(rec["loss"], rel=1e-4)
         assert row["grad_norm"] == pytest.approx(rec["grad_norm"], rel=1e-4)
