@@ -66,7 +66,7 @@ _DATA_EXTS = (".csv", ".jsonl", ".json", ".parquet", ".txt")
 # -----------------------------------------------------------------------------------------------------------
 def _hf_scheduler(cfg: TrainConfig) -> str:
     # Hugging Face's "constant" has no warm-up at all; "constant_with_warmup" is nbtrain's constant
-    return "linear"
+    return "constant_with_warmup" if cfg.scheduler == "constant" and cfg.warmup_steps else cfg.scheduler
 
 
 def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None,

@@ -1,0 +1,103 @@
+"""Checks that need a CUDA GPU (marked `gpu`; skipped cleanly without one)."""
+
+import gc
+
+import pytest
+import torch
+
+import nbtrain as nbt
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(model="tiny", subset=64, max_seq_len=64, max_steps=4, eval_fraction=0.0, lr=1e-3)
+
+
+def test_capabilities_on_cuda():
+    caps = nbt.capabilities()
+    assert caps.device == "cuda" and caps.total_memory_gib > 1
+    if caps.compute_capability >= (8, 0):
+        assert caps.bf16_supported and caps.tf32_supported and caps.auto_precision == "bf16"
+        assert set(caps.allowed_precisions) == {"fp32", "tf32", "fp16", "bf16"}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16", "bf16"])
+def test_each_precision_trains_on_cuda(precision):
+    r = nbt.train(nbt.TrainConfig(**SMALL, precision=precision))
+    h = r.history
+    assert len(h) == 4 and h.loss.notna().all() and r.summary["device"] == "cuda"
+    assert h.vram_allocated_gib.notna().all() and h.vram_peak_gib.notna().all()
+    assert h.scale.notna().all() == (precision == "fp16")
+    assert r.summary["peak_vram_gib"] > 0
+
+
+def _scale_weights(monkeypatch, factor):
+    import nbtrain.models as models
+
+    original = models.build_model
+
+    def build(*a, **k):
+        m = original(*a, **k)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if n.endswith("layers.0.mlp.down_proj.weight"):
+                    p.mul_(factor)
+        return m
+
+    monkeypatch.setattr(models, "build_model", build)
+
+
+def test_real_fp16_overflow_is_skipped_and_bf16_is_not(monkeypatch):
+    """Activations beyond 65504 overflow fp16 for real (no injected inf); bf16's range holds them."""
+    _scale_weights(monkeypatch, 3e4)
+    r16 = nbt.train(nbt.TrainConfig(**SMALL, precision="fp16"))
+    assert r16.summary["skipped_steps"] >= 1
+    assert r16.history.scale.min() < 65536.0
+    assert "fp16_overflow" in {f.kind for f in r16.diagnose()}
+    rbf = nbt.train(nbt.TrainConfig(**SMALL, precision="bf16"))
+    assert rbf.summary["nonfinite_steps"] == 0
+
+
+def test_real_out_of_memory_keeps_history_and_releases_memory():
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(int(free * 0.97), dtype=torch.uint8, device="cuda")   # leave the run a sliver
+    try:
+        before = torch.cuda.memory_allocated()
+        cfg = nbt.TrainConfig(**{**SMALL, "max_seq_len": 512, "subset": 512}, micro_batch_size=256,
+                              precision="fp32")
+        r = nbt.train(cfg)
+        assert r.summary["stopped_reason"] == "out_of_memory"
+        assert r.summary["advice"]
+        del r
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_allocated() - before < 64 * 2**20
+        auto = nbt.train(cfg.replace(auto_batch_size=True, max_steps=1))
+        assert auto.summary["stopped_reason"] == "max_steps"
+        assert auto.config.micro_batch_size < 256
+        assert auto.config.micro_batch_size * auto.config.grad_accum_steps == 256
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+
+
+def test_qlora_on_cuda_and_merged_save(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    r = nbt.train(nbt.TrainConfig(**SMALL, method="qlora", precision="bf16"))
+    assert r.history.loss.notna().all()
+    trainable, total = r.summary["trainable_params"], r.summary["total_params"]
+    assert 0 < trainable < total
+    out = r.save(tmp_path / "merged", merged=True)
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in m.parameters()) > 0
+
+
+def test_chunked_loss_cuts_peak_memory_on_cuda():
+    cfg = nbt.TrainConfig(**{**SMALL, "max_seq_len": 512, "subset": 256}, micro_batch_size=32, precision="bf16",
+                          max_grad_norm=1.0)
+    plain = nbt.train(cfg)
+    chunked = nbt.train(cfg.replace(chunked_loss=True, loss_chunk_tokens=2048))
+    for a, b in zip(plain.history.loss, chunked.history.loss):
+        assert b == pytest.approx(a, rel=2e-2)
+    assert chunked.summary["peak_vram_gib"] < plain.summary["peak_vram_gib"]
