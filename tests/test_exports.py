@@ -294,7 +294,7 @@ def test_llamafactory_dataset_info_and_sft(tmp_path, monkeypatch):
                                        "finetuning_type: full\nlr_scheduler_type: constant\nwarmup_steps: 4\n")
     cfg, unmapped = ex.read_llamafactory_yaml(tmp_path / "sft.yaml")
     assert cfg.data == "data/docs.jsonl" and cfg.text_column == "content" and cfg.task == "causal-lm"
-    assert set(unmapped) == {"stage", "lr_scheduler_type+warmup"}   # sft masking; "constant" ignores warm-up
+    assert set(unmapped) == {"stage", "warmup_steps"}   # sft masking; "constant" ignores warm-up
     assert cfg.scheduler == "constant" and cfg.warmup_steps == 0 and not cfg.packing
     assert cfg.epochs == 3.0 and cfg.max_steps is None                 # transformers' default: 3 epochs
     (tmp_path / "dpo.yaml").write_text("model_name_or_path: tiny\nstage: dpo\ndataset: docs\n")

@@ -265,7 +265,7 @@ class _Reader:
             return v
         try:
             return _num(v, kind)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{self.where}: {key}: expected a number, got {v!r}", field=key) from None
 
     def drop(self, key: str) -> None:
@@ -305,8 +305,8 @@ def _scheduler_in(r: _Reader, key: str, warmup: int) -> None:
         return
     if name == "constant" and warmup:
         # the tool's "constant" runs without any warm-up, so the faithful import drops it
-        r.unmapped[f"{key}+warmup"] = warmup
-        r.why[f"{key}+warmup"] = f"{name!r} ignores warm-up in the tool, so warmup_steps={warmup} was not used"
+        r.unmapped["warmup_steps"] = warmup
+        r.why["warmup_steps"] = f"{key}={name!r} runs without warm-up in the tool, so it was not used"
         warmup = 0
     r.kw["scheduler"] = "constant" if name == "constant_with_warmup" else name
     r.kw["warmup_steps"] = warmup
