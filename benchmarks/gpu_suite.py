@@ -85,6 +85,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                          tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0,
                          rms_norm_eps=1e-6, hidden_act="silu", attention_dropout=0.0, use_sliding_window=False,
                          initializer_range=0.02),
+    # a Qwen2 of the same kind (tied embeddings, grouped kv heads) small enough for a CPU test of this path
+    "qwen-micro": dict(arch="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=128, vocab_size=4096, tie_word_embeddings=True,
+                       max_position_embeddings=2048, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+                       attention_dropout=0.0, use_sliding_window=False, initializer_range=0.02),
     # the `tiny` preset's own config (Llama, 4 x 128, 2,048 vocab, untied), saved as a directory the same way
     "tiny": dict(arch="tiny-preset"),
 }
@@ -106,7 +111,7 @@ class Profile:
 PROFILES = {
     "cuda": Profile("qwen2.5-0.5b", 1024, 8, warmup=3, windows=3, per_window=5, slow_windows=3,
                     slow_per_window=3, budget_s=330.0),
-    "cpu": Profile("tiny", 128, 8, warmup=3, windows=4, per_window=6, slow_windows=4, slow_per_window=6,
+    "cpu": Profile("tiny", 128, 8, warmup=2, windows=3, per_window=5, slow_windows=3, slow_per_window=5,
                    budget_s=0.0),
 }
 
@@ -184,11 +189,12 @@ def suite_rows(device: str) -> list[Row]:
         group("lora", "bf16", "lora", est=7)
         group("qlora", "bf16", "qlora", est=9)
         group("fp16", "fp16", est=7)
+        # before tf32/fp32: the compiled row speaks to a target, the slow precisions only to ratios
+        rows.append(Row("nbtrain:bf16+chunked_loss+compile", "nbtrain", "bf16", group="compile",
+                        cfg=(("chunked_loss", True), ("compile", True)), est_s=100,
+                        note="cfg.compile=True on top of chunked loss; warmup_s includes compilation"))
         group("tf32", "tf32", slow=True, est=9)
         group("fp32", "fp32", slow=True, est=12)
-        rows.append(Row("nbtrain:bf16+chunked_loss+compile", "nbtrain", "bf16", group="compile",
-                        cfg=(("chunked_loss", True), ("compile", True)), est_s=90,
-                        note="cfg.compile=True on top of chunked loss; warmup_s includes compilation"))
     else:
         group("fp32", "fp32", est=3)
         rows.insert(2, Row("nbtrain:fp32+dashboard", "nbtrain", "fp32", group="fp32", dashboard=True, est_s=3,
@@ -260,27 +266,38 @@ class DataPlan:
 
 
 def aligned_subset(cfg: nbt.TrainConfig, tok) -> Optional[int]:
-    """The number of documents whose packed blocks are an exact multiple of the batch (no short step)."""
+    """The fewest documents whose packed blocks are an exact multiple of the batch, so that no optimizer step
+    is short and the Trainer's batches of ``micro_batch_size`` line up with nbtrain's steps across epochs."""
     if not cfg.packing:
         return None
     full = load_data(cfg.replace(subset=None), tok)
-    b = cfg.micro_batch_size
-    if len(full.train) % b == 0:
+    b, n_blocks = cfg.micro_batch_size, len(full.train)
+    if n_blocks % b == 0:
         return None
-    target = (len(full.train) // b) * b
+    target = (n_blocks // b) * b
     if target == 0:
-        raise RuntimeError(f"the text packs into only {len(full.train)} blocks of {cfg.max_seq_len}; "
-                           f"need at least {b}")
-    lo, hi = 1, full.stats["documents"]   # smallest subset reaching `target` blocks (blocks grow with it)
+        raise RuntimeError(f"the text packs into only {n_blocks} blocks of {cfg.max_seq_len}; need at least {b}")
+    # per-document token counts as packing sees them (whole documents, each followed by EOS unless it ends so)
+    docs = load_data(cfg.replace(subset=None, packing=False, max_seq_len=131072), tok)
+    if docs.stats["short_rows_dropped"] == 0:
+        eos, total, n = tok.eos_token_id, 0, 0
+        for ex in docs.train:
+            ids = ex["input_ids"]
+            total += len(ids) + (eos is not None and ids[-1] != eos)
+            n += 1
+            if total // cfg.max_seq_len >= target:
+                break
+        if len(load_data(cfg.replace(subset=n), tok).train) == target:
+            return n
+    lo, hi = 1, full.stats["documents"]   # fallback: the smallest subset reaching `target` blocks
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            n = len(load_data(cfg.replace(subset=mid), tok).train)
+            got = len(load_data(cfg.replace(subset=mid), tok).train)
         except Exception:   # noqa: BLE001 - too few documents to make one block
-            n = 0
-        lo, hi = (mid + 1, hi) if n < target else (lo, mid)
-    got = len(load_data(cfg.replace(subset=lo), tok).train)
-    return lo if got % b == 0 else None
+            got = 0
+        lo, hi = (mid + 1, hi) if got < target else (lo, mid)
+    return lo if len(load_data(cfg.replace(subset=lo), tok).train) % b == 0 else None
 
 
 def plan_data(cfg: nbt.TrainConfig, tok, total: int) -> DataPlan:
@@ -446,7 +463,7 @@ def run_nbtrain(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> di
 
 def run_trainer(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str, tmp: Path) -> dict:
     """transformers.Trainer with nbtrain's equivalent TrainingArguments, on nbtrain's batches in nbtrain's order."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from nbtrain.integrations.exports import training_arguments_kwargs
 
@@ -493,16 +510,25 @@ def run_trainer(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str, tmp: 
     kw = training_arguments_kwargs(cfg, output_dir=str(tmp / "hf"), disable_tqdm=True, save_strategy="no",
                                    dataloader_num_workers=0, label_names=["labels"])
     kw["max_steps"] = win.total
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = TrainingArguments(**kw)
-        trainer = Trainer(model=model, args=args, train_dataset=InNbtrainOrder(), data_collator=collator,
-                          callbacks=[Timer()])
-        trainer.train()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = TrainingArguments(**kw)
+            trainer = Trainer(model=model, args=args, train_dataset=InNbtrainOrder(), data_collator=collator,
+                              callbacks=[Timer()])
+            trainer.remove_callback(PrinterCallback)   # disable_tqdm's replacement prints every log line
+            trainer.train()
+    finally:
+        # TrainingArguments(tf32=...) sets TF32 through torch's new fp32_precision API (torch >= 2.9); reading
+        # the legacy allow_tf32 flags afterwards (as nbtrain's global_torch_state does) then raises a
+        # RuntimeError about mixed APIs. "none" puts it back to a fresh process's state, so later rows start clean.
+        if hasattr(torch.backends, "fp32_precision"):
+            torch.backends.fp32_precision = "none"
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     out = {"final_loss": losses[-1] if losses else None, "peak_mem_gib": peak.get("gib"),
            "same_tokens": seen[: win.total] == win.tokens[: win.total],
            "trainable_params": count_params(model)[0]}
+    trainer.accelerator.free_memory()
     trainer.model = trainer.model_wrapped = trainer.optimizer = trainer.lr_scheduler = None
     del trainer, model
     return out
@@ -511,6 +537,18 @@ def run_trainer(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str, tmp: 
 # ---------------------------------------------------------------------------------------------------------------
 # Driving the suite
 # ---------------------------------------------------------------------------------------------------------------
+def run_order(rows: list[Row], device: str, repeats: int) -> list[Row]:
+    """The rows in run order; with repeats, the headline group's bare/nbtrain rows again right after it,
+    in alternating order (ABC CBA), so the ratios that have tight targets get twice the windows."""
+    order = list(rows)
+    main_group = "bf16" if device == "cuda" else "fp32"
+    again = [r for r in rows if r.group == main_group and r.impl != "trainer"]
+    if again and repeats > 1:
+        at = max(i for i, r in enumerate(order) if r.group == main_group) + 1
+        order[at:at] = [r for rep in range(1, repeats) for r in (again[::-1] if rep % 2 else again)]
+    return order
+
+
 def _reset_peak(device: str) -> None:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -634,10 +672,10 @@ def checks(rows: list[dict], device: str) -> list[dict]:
     else:
         for g in ("fp32", "lora"):
             v = ratio(f"nbtrain:{g}", f"bare:{g}")
-            add(f"nbtrain / bare ({g}, tiny, CPU)", v, f">= {TARGETS['cpu_nbtrain_vs_bare']}",
+            add(f"nbtrain / bare ({g}, CPU)", v, f">= {TARGETS['cpu_nbtrain_vs_bare']}",
                 None if v is None else v >= TARGETS["cpu_nbtrain_vs_bare"])
             v = ratio(f"nbtrain:{g}", f"trainer:{g}")
-            add(f"nbtrain / Trainer ({g}, tiny, CPU)", v, "(info)", None)
+            add(f"nbtrain / Trainer ({g}, CPU)", v, "(info)", None)
         v = ratio("nbtrain:fp32+dashboard", "nbtrain:fp32", "tokens_per_s_mean")
         add("dashboard cost (fp32, mean throughput, CPU)", None if v is None else round(1 - v, 4), "(info)", None)
     return out
@@ -721,19 +759,19 @@ def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], re
     if verbose:
         print(f"[suite] {name}: {profile.shape} {n_params / 1e6:.1f}M params, data subset {subset}, "
               f"setup {meta['setup_s']} s", flush=True)
-    order = list(rows)
-    main_group = "bf16" if device == "cuda" else "fp32"
-    for rep in range(1, repeats):   # the headline group again, in reverse order (ABC CBA)
-        again = [r for r in rows if r.group == main_group]
-        order += again[::-1] if rep % 2 else again
+    order = run_order(rows, device, repeats)
     runs: list[dict] = []
+    ratios: list[float] = []
     res: dict = {"meta": meta, "rows": [], "checks": [], "runs": runs}
     for row in order:
         elapsed = time.perf_counter() - t0
         rec: dict = {"name": row.name, "impl": row.impl, "group": row.group, "precision": row.precision,
                      "method": row.method, "options": row.overrides, "note": row.note}
-        if budget and elapsed + row.est_s > budget:
-            rec["skipped"] = f"time budget: {elapsed:.0f} s used of {budget:.0f} s, row needs ~{row.est_s:.0f} s"
+        # the estimates are for an H200; scale them by how the finished rows compared (compile: as written)
+        scale = statistics.median(ratios) if ratios else 1.0
+        need = row.est_s if row.overrides.get("compile") else row.est_s * scale
+        if budget and elapsed + need > budget:
+            rec["skipped"] = f"time budget: {elapsed:.0f} s used of {budget:.0f} s, row needs ~{need:.0f} s"
             runs.append(rec)
             if verbose:
                 print(f"[suite] skip {row.name}: {rec['skipped']}", flush=True)
@@ -786,6 +824,8 @@ def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], re
                 except Exception:   # noqa: BLE001
                     pass
         rec["wall_s"] = round(time.perf_counter() - t_row, 2)
+        if "error" not in rec and not row.overrides.get("compile"):
+            ratios.append(rec["wall_s"] / row.est_s)
         runs.append(rec)
         if verbose:
             if "error" in rec:
@@ -812,32 +852,59 @@ def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], re
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="the CPU profile: the tiny preset, CI-sized")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="auto: CUDA when available (--list --device cuda shows the GPU plan anywhere)")
     ap.add_argument("--quick", action="store_true", help="fewer rows (see QUICK)")
     ap.add_argument("--rows", default=None, help="comma-separated row names, fnmatch patterns or group names")
     ap.add_argument("--list", action="store_true", help="print the rows and exit")
     ap.add_argument("--repeats", type=int, default=None, help="runs of the headline group (default: 2 on CUDA, 1 on CPU)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="model shape (default: the profile's)")
+    ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--windows", type=int, default=None)
     ap.add_argument("--per-window", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="skip rows that would end past this (0: none)")
     ap.add_argument("--peak-tflops", default=None, help="override the dense peaks, e.g. fp32=67,tf32=495,bf16=989,fp16=989")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: 1 with --cpu: on shared cores, OpenMP threads that wait for "
+                         "each other turn other processes' load into 10x swings; 1 thread measures overhead steadily)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
 
-    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    if device == "cpu" and not args.cpu:
+    device = "cpu" if args.cpu else args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available() and not args.list:
+        ap.error("--device cuda: no CUDA device here")
+    if device == "cpu" and not args.cpu and args.device == "auto":
         print("[suite] no CUDA device: running the CPU profile (tiny preset)", flush=True)
+    threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
+    saved_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _main(args, device)
+    finally:
+        torch.set_num_threads(saved_threads)   # main() is also called from tests: leave the process as it was
+
+
+def _main(args, device: str) -> dict:
     profile = PROFILES[device]
-    changes = {k: v for k, v in (("warmup", args.warmup), ("windows", args.windows),
-                                 ("per_window", args.per_window)) if v is not None}
+    changes = {k: v for k, v in (("shape", args.shape), ("seq_len", args.seq_len), ("warmup", args.warmup),
+                                 ("windows", args.windows), ("per_window", args.per_window)) if v is not None}
     if changes:
         profile = Profile(**{**profile.__dict__, **changes,
                              **({"slow_windows": changes["windows"]} if "windows" in changes else {}),
                              **({"slow_per_window": changes["per_window"]} if "per_window" in changes else {})})
     rows = select_rows(suite_rows(device), args.rows, args.quick, device)
+    repeats = args.repeats if args.repeats is not None else (2 if device == "cuda" and not args.quick else 1)
     if args.list or not rows:
-        for r in rows or suite_rows(device):
+        if not rows:
+            print(f"[suite] no row matches {args.rows!r}; the rows are:")
+        order = run_order(rows, device, repeats) if rows else suite_rows(device)
+        for r in order:
             print(f"{r.name:40s} group={r.group:8s} ~{r.est_s:.0f}s  {r.note}")
+        print(f"{len(order)} runs, ~{sum(r.est_s for r in order):.0f} s estimated (H200) plus ~20 s setup")
         return {}
     peaks = None
     if args.peak_tflops:
@@ -845,7 +912,6 @@ def main(argv=None) -> dict:
     outs = [Path(args.out)] if args.out else []
     if os.environ.get("OUT"):
         outs.append(Path(os.environ["OUT"]))
-    repeats = args.repeats if args.repeats is not None else (2 if device == "cuda" and not args.quick else 1)
     res = run(rows, device, profile, outs, repeats=repeats, budget_s=args.budget_s, peaks_override=peaks)
     print()
     print(markdown(res))

@@ -64,12 +64,16 @@ from .config import ConfigError, TrainConfig
 from .hardware import capabilities, resolve_precision
 
 GIB = 2**30
-CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # context, kernels' modules and cuBLAS workspaces, outside torch's allocator
-SLACK = {"cuda": 0.10, "cpu": 0.05}  # caching-allocator rounding and fragmentation, share of the tensor peak
+# Outside the tensors: the CUDA context with its kernels' modules and library handles (0.73-0.75 GiB measured on
+# an H200 with CUDA 13, beside PyTorch's allocator), and the caching allocator's reserved-but-free blocks: 2-28%
+# of the tensor peak over the benchmark grid (benchmarks/memory_check.py), 14% splits that range evenly.
+CUDA_CONTEXT_BYTES = int(0.75 * GIB)
+SLACK = {"cuda": 0.14, "cpu": 0.05}
 NF4_BLOCK = 64                       # bitsandbytes' 4-bit block size
 NF4_BLOCK2 = 256                     # block size of the double-quantised absmax
 NF4_TABLES = 256 * 4 + 16 * 4 + 4    # per layer: second-level code, nf4 code, offset (fp32)
 STEP_BYTES = 4                       # AdamW's per-tensor ``step`` (fp32 scalar)
+NUM_LABELS = 2                       # a classifier's labels come from the data; its head is tiny either way
 
 _LLAMA_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
                 "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -226,10 +230,11 @@ def _layer_index(name: str, n_layers: int) -> Optional[int]:
     return None
 
 
-def _meta_model(cfg: TrainConfig, num_labels: int):
+def _meta_model(model: str, task: str, num_labels: int):
     from .models.loading import meta_model
 
-    return meta_model(cfg.model, cfg.task, num_labels, local_only=False)
+    # a Hub id fetches config.json only (no weights)
+    return meta_model(model, task, num_labels, local_only=False)
 
 
 def _config_stamp(model: str) -> Optional[float]:
@@ -241,8 +246,7 @@ def _config_stamp(model: str) -> Optional[float]:
 def _arch(model: str, task: str, num_labels: int, stamp: Optional[float]) -> _Arch:
     import torch
 
-    cfg = TrainConfig.model_construct(model=model, task=task)
-    m = _meta_model(cfg, num_labels)
+    m = _meta_model(model, task, num_labels)
     c = m.config.get_text_config() if hasattr(m.config, "get_text_config") else m.config
     hidden = int(getattr(c, "hidden_size", 0) or getattr(c, "n_embd", 0) or getattr(c, "d_model", 0))
     layers = int(getattr(c, "num_hidden_layers", 0) or getattr(c, "n_layer", 0) or getattr(c, "num_layers", 0))
@@ -295,7 +299,7 @@ def _adapters(model: str, task: str, num_labels: int, stamp: Optional[float], lo
 
     cfg = TrainConfig.model_construct(model=model, task=task, lora_r=lora_r, lora_alpha=16, lora_dropout=0.0,
                                       lora_targets=targets if isinstance(targets, str) else list(targets))
-    m = _meta_model(cfg, num_labels)
+    m = _meta_model(model, task, num_labels)
     for p in m.parameters():
         p.requires_grad_(False)
     pm = get_peft_model(m, lora_config(cfg, m, task))
@@ -320,14 +324,12 @@ def _quant_skip(model: str, task: str, num_labels: int, arch: _Arch) -> set[str]
     if task == "sequence-classification":
         from .models.loading import head_module_names
 
-        m = _meta_model(TrainConfig.model_construct(model=model, task=task), num_labels)
-        keys = head_module_names(m)
+        keys = head_module_names(_meta_model(model, task, num_labels))
     else:
         try:
             from transformers.quantizers.base import get_keys_to_not_convert
 
-            keys = get_keys_to_not_convert(_meta_model(TrainConfig.model_construct(model=model, task=task),
-                                                       num_labels))
+            keys = get_keys_to_not_convert(_meta_model(model, task, num_labels))
         except Exception:  # an older transformers: the output layer is what it skips
             keys = [arch.head] if arch.head else []
     skip = set()
@@ -366,10 +368,12 @@ class _Lin:
 class _Trace:
     """Saved tensors of one decoder layer (or the head) per token, plus token-independent copies."""
 
-    def __init__(self, ac: Optional[int], mask_bytes: Optional[int], dropout: bool):
+    def __init__(self, ac: Optional[int], mask_bytes: Optional[int], dropout: bool, math_seq: int = 0):
         self.ac = ac                  # autocast element size, None without autocast
         self.mask_bytes = mask_bytes  # dropout mask bytes per element (None: the input's dtype)
         self.dropout = dropout
+        self.math_seq = math_seq      # > 0: SDPA falls back to the math kernel (T x T scores) at this length
+        self.attn_grad = 0            # bytes per token of the attention's backward temporaries (math kernel)
         self.saved: dict[int, _T] = {}
         self.const = 0                # weight copies saved for backward (bytes)
         self.cache = 0                # weight copies autocast caches for the forward (trainable leaves)
@@ -441,9 +445,21 @@ class _Trace:
         return _T(q.elems, max(q.size, 4), q.rg)   # cos/sin are fp32: q * cos promotes
 
     def sdpa(self, q: _T, k: _T, v: _T, heads: int) -> _T:
-        q2, k2, v2 = self.cast(q), self.cast(k), self.cast(v)
         rg = q.rg or k.rg or v.rg
-        out = _T(q.elems, self.ac or 4, rg)
+        size = self.ac or 4
+        if self.math_seq:
+            # the math kernel: scaled q, k and v repeated to every head, the softmax (heads x T per token);
+            # its output is laid out by head, so the caller's transpose makes a copy for o_proj
+            probs = heads * self.math_seq * size
+            if rg:
+                for elems in (q.elems, q.elems, q.elems):
+                    self.save(_T(elems, size, True))
+                self.save(_T(probs, 1, True))
+            self.fwd_extra = max(self.fwd_extra, 2 * probs)      # the scores, then the probabilities
+            self.attn_grad = 2 * probs                           # their gradients in backward
+            return _T(q.elems, size, rg)
+        q2, k2, v2 = self.cast(q), self.cast(k), self.cast(v)
+        out = _T(q.elems, size, rg)
         if rg:
             for t in (q2, k2, v2, out):
                 self.save(t)
@@ -559,8 +575,15 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     if not arch.llama_like:
         notes.append(f"{arch.model_type}: activations approximated with a Llama-style layer of the same sizes")
 
+    # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
+    # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
+    math_seq = T if device == "cuda" and ac is None and arch.kv_heads < arch.heads else 0
+    if math_seq:
+        notes.append("fp32 attention with grouped kv heads runs SDPA's math kernel on CUDA (T x T scores per "
+                      "layer); bf16 avoids it")
+
     def layer_trace(idx: int, x_rg: bool) -> tuple[_Trace, _T]:
-        tr = _Trace(ac, mask, method != "full" and cfg.lora_dropout > 0)
+        tr = _Trace(ac, mask, method != "full" and cfg.lora_dropout > 0, math_seq)
         out = _trace_layer(tr, _T(h, 4, x_rg), _layer_specs(arch, idx, method, adapted, r), full, arch)
         return tr, out
 
@@ -572,19 +595,34 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     layer_cache = [tr0.cache] + [tr1.cache] * (L - 1)
     rope_bytes = 2 * arch.head_dim * 4 * T       # cos and sin, fp32, shared by all layers
     inputs = 3 * 8 * N                           # input_ids, attention_mask, labels (int64)
-    fwd_extra, mlp_grad = tr1.fwd_extra, tr1.mlp_grad
+    fwd_extra, mlp_grad, attn_grad = tr1.fwd_extra, tr1.mlp_grad, tr1.attn_grad
 
     # the head: final norm, then the output layer / classifier
     head_l = next((l for l in arch.linears if l.name == arch.head), None)
     head_weight = head_l.weight if head_l else arch.vocab * h
     head_trainable = full or task == "sequence-classification"
+    chunked = cfg.chunked_loss and task == "causal-lm"
     trh = _Trace(ac, mask, False)
     xf = trh.rmsnorm(_T(h, 4, True), full)
-    logits_t = trh.linear(xf, _Lin(h, arch.vocab, head_weight, "trainable" if head_trainable else "frozen"))
+    if not chunked:
+        logits_t = trh.linear(xf, _Lin(h, arch.vocab, head_weight, "trainable" if head_trainable else "frozen"))
     head_saved = trh.per_token * N + trh.const
-
-    if task == "causal-lm":
-        n_tgt = B * (T - 1)
+    n_tgt = B * (T - 1) if task == "causal-lm" else B
+    chunk_fwd = 0
+    if chunked:
+        # nbtrain.engine.losses: the head and the loss chunk by chunk, each chunk recomputed in backward. Kept:
+        # the selected hidden states (fp32) and targets; a chunk's backward holds its logits, log_softmax and
+        # the two fp32 gradients, the head's bf16 weight copy, and the hidden states' gradient buffers
+        C = min(cfg.loss_chunk_tokens, n_tgt)
+        head_saved += (4 * h + 8) * n_tgt
+        logits = 0
+        copy = 2 * head_weight if ac else 0
+        loss_bwd = (12 + s) * C * arch.vocab + 2 * 4 * h * n_tgt + copy
+        if head_trainable and n_tgt > C:   # the weight's gradients of the chunks are summed out of place
+            loss_bwd += 2 * 4 * head_weight
+        grad_logits = 0
+        chunk_fwd = 4 * h * N + (s + 8) * C * arch.vocab + copy
+    elif task == "causal-lm":
         logits = N * arch.vocab * logits_t.size
         loss_bwd = 12 * n_tgt * arch.vocab + 8 * n_tgt   # log_softmax output, its two fp32 gradients, targets
         grad_logits = N * arch.vocab * logits_t.size
@@ -632,18 +670,20 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
 
     # end of the forward, still inside autocast, whose cache holds the trainable weights' bf16 copies
     cache_only = sum(layer_cache) if ckpt else 0
-    phases["forward"] = (G0 + acts + cache_only + logits, "the end of the forward")
+    phases["forward"] = (G0 + acts + cache_only + logits + chunk_fwd, "the end of the forward")
     phases["loss"] = (G0 + acts + logits + loss_bwd, "the loss backward (log_softmax)")
     # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
     gw = head_weight * ((s + 4) if ac else 4) if head_trainable else 0
-    phases["head"] = (G0 + acts + logits + grad_logits + (s + 4) * h * N + gw, "the output layer's backward")
+    phases["head"] = (G0 + acts + logits + grad_logits + (s + 4) * h * N + gw + (loss_bwd if chunked else 0),
+                      "the output layer's backward")
     # decoder layers, last to first: their activations go, their gradients come
     remaining = acts - head_saved
     g_so_far = g_head + g_other
     worst = (0, "")
     for k in reversed(range(L)):
         layer_act = layer_tokens[k] * N
-        t_bwd = 2 * mlp_grad * N       # inside the MLP's backward: the gradients of SiLU(gate) and up
+        # inside the MLP's backward: the gradients of SiLU(gate) and up (or the attention's, if larger)
+        t_bwd = max(2 * mlp_grad, attn_grad) * N
         if ckpt:                       # the layer is recomputed first, with its own short-lived tensors
             transient = layer_act + layer_const[k] - 4 * h * N + max(fwd_extra * N, t_bwd)
         else:
@@ -666,13 +706,9 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
                   peak=weights + optim + top, phase=where, trainable=trainable, total=total, notes=notes)
 
 
-def _num_labels(cfg: TrainConfig) -> int:
-    return 2   # the estimate cannot know the dataset's labels; a head of 2 is a rounding error
-
-
 def _estimate(cfg: TrainConfig, device: str, device_total_gib: float, device_name: str) -> MemoryEstimate:
     precision = _precision(cfg, device)
-    p = _parts(cfg, precision, device, _num_labels(cfg))
+    p = _parts(cfg, precision, device, NUM_LABELS)
     slack = SLACK.get(device, 0.05)
     overhead = (CUDA_CONTEXT_BYTES if device == "cuda" else 0) + slack * p.peak
     total = p.peak + overhead
@@ -739,61 +775,50 @@ def _advise(cfg: TrainConfig, dev: str, total: float, name: str) -> list[Advice]
     change: dict[str, Any] = {}
     current = _estimate(cfg, dev, total, name).total_gib
 
-    def take(step: dict[str, Any], desc: str, est: MemoryEstimate) -> bool:
+    def first_fit(steps: list[tuple[dict[str, Any], str]]) -> bool:
+        """Take the first candidate that fits, else the smallest one if it helps; True once it fits."""
         nonlocal current
+        tried = []
+        for step, desc in steps:
+            est = _try(cfg, {**change, **step}, dev, total, name)
+            if est is not None:
+                tried.append((step, desc, est))
+                if est.fits:
+                    break
+        if not tried:
+            return False
+        step, desc, est = next((t for t in tried if t[2].fits), min(tried, key=lambda t: t[2].total_gib))
+        if est.total_gib >= current:
+            return False
         change.update(step)
         current = est.total_gib
         advice.append(Advice(dict(change), desc, est.total_gib, est.fits))
         return est.fits
 
-    # 1. a smaller micro-batch, more accumulation: the same effective batch
-    mb, acc = cfg.micro_batch_size, cfg.grad_accum_steps
-    best = None
-    while mb > 1:
-        mb, acc = max(1, mb // 2), acc * (cfg.micro_batch_size // max(1, mb // 2) if False else 1)
-        acc = math.ceil(cfg.micro_batch_size * cfg.grad_accum_steps / mb)
-        est = _try(cfg, {**change, "micro_batch_size": mb, "grad_accum_steps": acc}, dev, total, name)
-        if est is None:
-            break
-        if best is None or est.total_gib < best[1].total_gib:
-            best = ({"micro_batch_size": mb, "grad_accum_steps": acc}, est)
-        if est.fits:
-            best = ({"micro_batch_size": mb, "grad_accum_steps": acc}, est)
-            break
-    if best is not None and best[1].total_gib < current:
-        s = best[0]
-        if take(s, f"micro_batch_size {cfg.micro_batch_size} -> {s['micro_batch_size']}, grad_accum_steps "
-                   f"{cfg.grad_accum_steps} -> {s['grad_accum_steps']} (same effective batch "
-                   f"{cfg.effective_batch_size})", best[1]):
-            return advice
-    # 2. gradient checkpointing
-    if not cfg.gradient_checkpointing:
-        est = _try(cfg, {**change, "gradient_checkpointing": True}, dev, total, name)
-        if est is not None and est.total_gib < current:
-            if take({"gradient_checkpointing": True}, "gradient_checkpointing on (recompute activations in "
-                    "backward, ~30% slower)", est):
-                return advice
+    # 1. a smaller micro-batch and more accumulation, so the effective batch stays the same
+    mb = cfg.micro_batch_size
+    smaller = [d for d in range(mb - 1, 0, -1) if mb % d == 0]
+    if first_fit([({"micro_batch_size": d, "grad_accum_steps": cfg.grad_accum_steps * (mb // d)},
+                   f"micro_batch_size {mb} -> {d}, grad_accum_steps {cfg.grad_accum_steps} -> "
+                   f"{cfg.grad_accum_steps * (mb // d)} (same effective batch {cfg.effective_batch_size})")
+                  for d in smaller]):
+        return advice
+    # 2. gradient checkpointing: keep each layer's input only, recompute the rest in backward
+    if not cfg.gradient_checkpointing and first_fit(
+            [({"gradient_checkpointing": True}, "gradient_checkpointing on (~30% more compute)")]):
+        return advice
     # 3. full -> LoRA -> QLoRA
     order = ["full", "lora", "qlora"]
     for method in order[order.index(cfg.method) + 1:]:
-        est = _try(cfg, {**change, "method": method}, dev, total, name)
-        if est is not None and est.total_gib < current:
-            desc = {"lora": f"method full -> lora (rank {cfg.lora_r} adapters; the base is frozen)",
-                    "qlora": f"method -> qlora (the frozen base in {cfg.quant_bits}-bit)"}[method]
-            if take({"method": method}, desc, est):
-                return advice
+        desc = {"lora": f"method {cfg.method} -> lora (rank-{cfg.lora_r} adapters, frozen base)",
+                "qlora": f"method -> qlora (frozen {cfg.quant_bits}-bit base, rank-{cfg.lora_r} adapters)"}[method]
+        if first_fit([({"method": method}, desc)]):
+            return advice
     # 4. shorter sequences
-    seq = cfg.max_seq_len
-    best = None
-    while seq > 8:
-        seq = max(8, seq // 2)
-        est = _try(cfg, {**change, "max_seq_len": seq}, dev, total, name)
-        if est is None:
-            break
-        best = (seq, est)
-        if est.fits:
-            break
-    if best is not None and best[1].total_gib < current:
-        take({"max_seq_len": best[0]}, f"max_seq_len {cfg.max_seq_len} -> {best[0]} (longer texts are "
-             "truncated)", best[1])
+    seqs, t = [], cfg.max_seq_len
+    while t > 8:
+        t = max(8, t // 2)
+        seqs.append(t)
+    first_fit([({"max_seq_len": t}, f"max_seq_len {cfg.max_seq_len} -> {t} (longer texts are truncated)")
+               for t in seqs])
     return advice

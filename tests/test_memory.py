@@ -1,0 +1,286 @@
+"""estimate_memory: exact parts against real tensors, the peak against a live-memory trace, advice."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nbtrain.config import TrainConfig
+from nbtrain.engine.loop import loss_sum
+from nbtrain.hardware import capabilities
+from nbtrain.memory import Advice, MemoryEstimate, estimate_memory, format_estimate
+from nbtrain.models import build_model, count_params, load_tokenizer
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = dict(model="tiny", max_seq_len=64, micro_batch_size=4, precision="fp32", max_steps=1)
+    return TrainConfig(**{**base, **kw})
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a tied weight counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _quant_state_tensors(model) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            out += [qs.absmax, qs.code, qs.offset]
+            if qs.nested:
+                out += [qs.state2.absmax, qs.state2.code]
+    return out
+
+
+def _train_step(model, cfg: TrainConfig, precision: str, opt, steps: int = 1) -> None:
+    """One optimizer step the way nbtrain's loop does it (autocast forward, fp32 loss, AdamW)."""
+    V = model.config.vocab_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    for _ in range(steps):
+        for _ in range(cfg.grad_accum_steps):
+            ids = torch.randint(4, V, (cfg.micro_batch_size, cfg.max_seq_len))
+            ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                   else contextlib.nullcontext())
+            with ctx:
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            loss = loss_sum(logits, ids, "causal-lm") / ids.numel()
+            loss.backward()
+            del logits, loss
+        if opt is not None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def _build(cfg: TrainConfig, precision: str):
+    tok = load_tokenizer(cfg)
+    torch.manual_seed(0)
+    return build_model(cfg, tok, None, precision, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact parts: parameters, gradients and AdamW state against the real tensors
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_exact_parts_match_tensor_bytes(method):
+    cfg = _cfg(method=method)
+    est = estimate_memory(cfg, device="cpu", device_total_gib=64)
+    model = _build(cfg, "fp32")
+    trainable, total = count_params(model)
+    assert (est.trainable_params, est.total_params) == (trainable, total)
+    assert est.weights_bytes == _storage_bytes(model.parameters())
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    _train_step(model, cfg, "fp32", None)          # gradients, before the optimizer clears them
+    assert all(p.grad is not None for p in params)
+    assert est.gradients_bytes == _storage_bytes(p.grad for p in params)
+
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt.step()
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert _storage_bytes(moments) == 8 * trainable
+    assert est.optimizer_bytes == _storage_bytes(state)   # the moments and each tensor's step
+
+
+@pytest.mark.skipif("qlora" not in capabilities().allowed_methods, reason="bitsandbytes cannot run here")
+def test_qlora_weights_match_packed_tensors_and_quant_state():
+    cfg = _cfg(method="qlora")
+    est = estimate_memory(cfg, device="cpu", device_total_gib=64)
+    model = _build(cfg, "fp32")
+    assert (est.trainable_params, est.total_params) == count_params(model)
+    assert est.weights_bytes == _storage_bytes(list(model.parameters()) + _quant_state_tensors(model))
+    lora = estimate_memory(cfg.replace(method="lora"), device="cpu", device_total_gib=64)
+    assert est.trainable_params == lora.trainable_params
+    assert est.gradients_bytes == lora.gradients_bytes
+
+
+def test_sequence_classification_counts_the_trained_head():
+    cfg = _cfg(task="sequence-classification", data="builtin:python-docs-topics", method="lora", packing=False)
+    est = estimate_memory(cfg, device="cpu", device_total_gib=64)
+    tok = load_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, tok, 2, "fp32", "cpu")
+    assert (est.trainable_params, est.total_params) == count_params(model)
+    assert est.weights_bytes == _storage_bytes(model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The peak: against a live-storage trace of a real step on the CPU
+# ---------------------------------------------------------------------------------------------------------------
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes of the storages created under it and still referenced after each op."""
+
+    def __init__(self, ignore: set[int]):
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.ignore, self.live, self.now, self.peak = ignore, {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.now -= self.live.pop(k)[1]
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st._cdata not in self.ignore and st._cdata not in self.live:
+                    self.live[st._cdata] = (self._ref(st), st.nbytes())
+                    self.now += st.nbytes()
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+@pytest.mark.parametrize("method,precision,ckpt,accum,batch", [
+    ("full", "bf16", False, 1, 8),
+    ("full", "fp32", True, 2, 8),
+    ("lora", "fp32", False, 1, 8),
+    ("lora", "bf16", True, 1, 2),     # bf16 is slow on most CPUs: a smaller batch
+])
+def test_peak_matches_a_traced_training_step(method, precision, ckpt, accum, batch):
+    cfg = _cfg(method=method, precision=precision, gradient_checkpointing=ckpt, grad_accum_steps=accum,
+               micro_batch_size=batch, max_seq_len=128)
+    est = estimate_memory(cfg, device="cpu", device_total_gib=64)
+    model = _build(cfg, precision)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    _train_step(model, cfg, precision, opt)         # the optimizer state exists from now on
+    before = list(model.parameters()) + list(model.buffers())
+    before += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    tracker = _LiveBytes({t.untyped_storage()._cdata for t in before})
+    with tracker:
+        _train_step(model, cfg, precision, opt)
+    measured = est.weights_bytes + est.optimizer_bytes + tracker.peak
+    estimated = est.tensors_peak_gib * 2**30
+    assert estimated == pytest.approx(measured, rel=0.05), (est.peak_phase, estimated, measured)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Behaviour
+# ---------------------------------------------------------------------------------------------------------------
+def test_estimate_is_instant():
+    estimate_memory(_cfg(method="lora"), device="cpu", device_total_gib=64)    # imports and caches warm
+    t0 = time.perf_counter()
+    for kw in (dict(micro_batch_size=3), dict(max_seq_len=200, method="lora"), dict(gradient_checkpointing=True)):
+        estimate_memory(_cfg(**kw), device="cpu", device_total_gib=64)
+    assert (time.perf_counter() - t0) / 3 < 1.0
+
+
+def test_monotonic():
+    def est(**kw) -> MemoryEstimate:
+        return estimate_memory(_cfg(**kw), device="cuda", device_total_gib=80)
+
+    base = est()
+    assert est(micro_batch_size=8).activations_gib > base.activations_gib
+    assert est(max_seq_len=128).activations_gib > base.activations_gib
+    assert est(micro_batch_size=8).logits_gib > base.logits_gib
+    assert est(gradient_checkpointing=True).activations_gib < base.activations_gib
+    assert est(precision="bf16").activations_gib < base.activations_gib
+    lora, qlora = est(method="lora"), est(method="qlora")
+    assert lora.total_gib < base.total_gib
+    assert lora.gradients_bytes < base.gradients_bytes and lora.optimizer_bytes < base.optimizer_bytes
+    assert qlora.weights_bytes < lora.weights_bytes
+    assert est(lora_r=32, method="lora").trainable_params == 4 * lora.trainable_params
+
+
+def test_cuda_adds_the_context_and_keeps_tensor_terms():
+    cpu = estimate_memory(_cfg(), device="cpu", device_total_gib=80)
+    cuda = estimate_memory(_cfg(), device="cuda", device_total_gib=80)
+    assert cuda.weights_bytes == cpu.weights_bytes
+    assert cuda.overhead_gib - cpu.overhead_gib > 0.45
+    assert cuda.tensors_peak_gib == pytest.approx(cpu.tensors_peak_gib, rel=1e-9)
+
+
+def test_fitting_config_has_no_advice():
+    est = estimate_memory(_cfg(), device="cuda", device_total_gib=80)
+    assert est.fits and est.advice == []
+
+
+def test_advice_makes_a_config_that_does_not_fit_fit():
+    cfg = _cfg(micro_batch_size=16, max_seq_len=512)
+    first = estimate_memory(cfg, device="cpu", device_total_gib=1.0)
+    # between the smallest and the largest reachable estimate, so several steps are needed
+    floor = estimate_memory(cfg.replace(method="lora", micro_batch_size=1, grad_accum_steps=16,
+                                        gradient_checkpointing=True, max_seq_len=64),
+                            device="cpu", device_total_gib=1.0).total_gib
+    limit = (floor + 2 * estimate_memory(cfg.replace(micro_batch_size=1, grad_accum_steps=16,
+                                                     gradient_checkpointing=True),
+                                         device="cpu", device_total_gib=1.0).total_gib) / 3
+    est = estimate_memory(cfg, device="cpu", device_total_gib=limit)
+    assert first.total_gib > limit and not est.fits
+    assert est.advice and all(isinstance(a, Advice) for a in est.advice)
+    assert est.advice[-1].fits and not any(a.fits for a in est.advice[:-1])
+    totals = [a.total_gib for a in est.advice]
+    assert totals == sorted(totals, reverse=True) and totals[0] < est.total_gib
+    for prev, nxt in zip(est.advice, est.advice[1:]):        # cumulative: each keeps the earlier changes
+        assert prev.change.items() <= nxt.change.items()
+    final = cfg.replace(**est.advice[-1].change)
+    assert final.effective_batch_size == cfg.effective_batch_size
+    again = estimate_memory(final, device="cpu", device_total_gib=limit)
+    assert again.fits and again.total_gib == pytest.approx(est.advice[-1].total_gib)
+    keys = [k for a in est.advice for k in a.change if k not in ("grad_accum_steps",)]
+    order = ["micro_batch_size", "gradient_checkpointing", "method", "max_seq_len"]
+    firsts = [k for i, k in enumerate(keys) if k not in keys[:i]]
+    assert firsts == sorted(firsts, key=order.index)
+
+
+def test_advice_on_an_impossible_target_ends_with_the_closest():
+    est = estimate_memory(_cfg(), device="cpu", device_total_gib=1e-4)
+    assert not est.fits and est.advice and not est.advice[-1].fits
+    assert est.advice[-1].total_gib < est.total_gib
+
+
+def test_table_text_and_html():
+    est = estimate_memory(_cfg(micro_batch_size=64, max_seq_len=512), device="cpu", device_total_gib=0.05)
+    df = est.table()
+    assert list(df.columns) == ["part", "GiB"]
+    assert list(df.part) == ["weights", "gradients", "optimizer", "activations", "logits + loss", "overhead",
+                             "total (peak)"]
+    assert df.GiB.iloc[-1] == pytest.approx(est.total_gib)
+    text = format_estimate(est)
+    assert str(est) == text
+    assert "DOES NOT FIT" in text and "--set" in text and est.peak_phase in text
+    html = est._repr_html_()
+    assert "<table>" in html and "does not fit" in html
+
+
+def test_versus_a_measured_peak():
+    est = estimate_memory(_cfg(), device="cuda", device_total_gib=80)
+    v = est.versus(est.tensors_peak_gib * 1.25)
+    assert v["ratio"] == pytest.approx(0.8)
+
+    class Result:
+        summary = {"peak_vram_gib": None}
+
+    with pytest.raises(ValueError, match="no measured peak"):
+        est.versus(Result())
+
+
+def test_cli_estimate_prints_the_table(tmp_path, capsys):
+    from nbtrain.cli import main
+
+    path = tmp_path / "cfg.yaml"
+    _cfg(precision="bf16").to_yaml(path)
+    assert main(["estimate", str(path), "--set", "micro_batch_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "micro batch 2" in out and "total (peak)" in out
+
+
+def test_memory_module_imports_no_ui():
+    code = ("import sys, nbtrain.memory; bad = [m for m in ('ipywidgets', 'plotly', 'IPython') if m in sys.modules];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
