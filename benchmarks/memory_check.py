@@ -21,6 +21,7 @@ nothing. Without CUDA it prints why and exits 0.
 
     python benchmarks/memory_check.py                     # the 24-row grid (~3 min on an H200)
     python benchmarks/memory_check.py --methods lora --seqs 256 --precisions bf16   # a subset
+    python benchmarks/memory_check.py --loss chunked --seqs 1024     # with nbtrain's chunked loss
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import datetime as dt
 import gc
 import itertools
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -75,6 +75,7 @@ def run_row(cfg, steps: int) -> dict:
     """Build ``cfg``'s model with nbtrain and train ``steps`` optimizer steps; the memory it took."""
     import torch
 
+    from nbtrain.engine.losses import chunked_loss_sum
     from nbtrain.engine.loop import loss_sum
     from nbtrain.engine.precision import PRECISION_TABLE, autocast, global_torch_state
     from nbtrain.models import build_model, load_tokenizer
@@ -99,8 +100,14 @@ def run_row(cfg, steps: int) -> dict:
             for _ in range(cfg.grad_accum_steps):
                 ids = torch.randint(0, V, (B, T), device="cuda", generator=gen)
                 with autocast(spec, "cuda"):
-                    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-                loss = loss_sum(logits, ids, "causal-lm") / (B * (T - 1))
+                    if cfg.chunked_loss:
+                        logits = None
+                        loss = chunked_loss_sum(model, ids, torch.ones_like(ids), ids,
+                                                cfg.loss_chunk_tokens) / (B * (T - 1))
+                    else:
+                        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+                if not cfg.chunked_loss:
+                    loss = loss_sum(logits, ids, "causal-lm") / (B * (T - 1))
                 loss.backward()
                 del logits, loss
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -135,6 +142,9 @@ def versions() -> dict:
 
 
 def write(out_dir: Path, meta: dict, rows: list[dict], tol: float) -> None:
+    def flag(e: float) -> str:
+        return f"{e:+.1%}" + ("" if abs(e) <= tol else " **")
+
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"memory_check_{meta['device']}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -143,16 +153,15 @@ def write(out_dir: Path, meta: dict, rows: list[dict], tol: float) -> None:
              f"{meta['model']}; micro batch {meta['batch']}, {meta['steps']} steps per row. "
              "Tensors: estimated tensor peak vs `max_memory_allocated`. Total: estimated total vs "
              "`max_memory_reserved` + memory outside PyTorch (context). Error = estimate / measured - 1.", "",
-             "| method | precision | seq | ckpt | est tensors GiB | allocated GiB | err | est total GiB | "
+             "| loss | method | precision | seq | ckpt | est tensors GiB | allocated GiB | err | est total GiB | "
              "reserved+ctx GiB | err | est peak at |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['precision']} | {r['seq']} | {r['ckpt']} | error: "
-                         f"{r['error'][:80]} |||||||")
+            lines.append(f"| {r.get('loss', 'plain')} | {r['method']} | {r['precision']} | {r['seq']} | "
+                         f"{r['ckpt']} | error: {r['error'][:80]} |||||||")
             continue
-        flag = lambda e: f"{e:+.1%}" + ("" if abs(e) <= tol else " **")
-        lines.append(f"| {r['method']} | {r['precision']} | {r['seq']} | {r['ckpt']} | "
+        lines.append(f"| {r.get('loss', 'plain')} | {r['method']} | {r['precision']} | {r['seq']} | {r['ckpt']} | "
                      f"{r['est_tensors_gib']:.2f} | {r['allocated_gib']:.2f} | {flag(r['err_tensors'])} | "
                      f"{r['est_total_gib']:.2f} | {r['measured_total_gib']:.2f} | {flag(r['err_total'])} | "
                      f"{r['est_phase']} |")
@@ -172,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--seqs", default="256,1024")
     p.add_argument("--ckpt", default="off,on")
+    p.add_argument("--loss", default="plain", help="plain, chunked (nbtrain's chunked_loss) or both: plain,chunked")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per row (>= 2: AdamW's state exists "
                                                          "from the second)")
@@ -201,13 +211,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model_dir = make_model_dir(tmp, args.layers)
         print(f"model drawn and saved in {time.perf_counter() - t0:.1f}s", flush=True)
-        grid = itertools.product(args.methods.split(","), args.precisions.split(","),
+        grid = itertools.product(args.loss.split(","), args.methods.split(","), args.precisions.split(","),
                                  [int(s) for s in args.seqs.split(",")], [c == "on" for c in args.ckpt.split(",")])
-        for method, precision, seq, ckpt in grid:
-            row = {"method": method, "precision": precision, "seq": seq, "ckpt": ckpt}
+        for loss, method, precision, seq, ckpt in grid:
+            row = {"method": method, "precision": precision, "seq": seq, "ckpt": ckpt, "loss": loss}
             try:
                 cfg = TrainConfig(model=model_dir, method=method, precision=precision, max_seq_len=seq,
-                                  micro_batch_size=args.batch, gradient_checkpointing=ckpt, max_steps=args.steps)
+                                  micro_batch_size=args.batch, gradient_checkpointing=ckpt, max_steps=args.steps,
+                                  chunked_loss=loss == "chunked")
                 est = estimate_memory(cfg, device="cuda")
                 row.update(est_tensors_gib=est.tensors_peak_gib, est_total_gib=est.total_gib,
                            est_phase=est.peak_phase, est_weights_gib=est.weights_gib,
@@ -215,7 +226,7 @@ def main(argv=None) -> int:
                 row.update(run_row(cfg, args.steps))
                 row["err_tensors"] = row["est_tensors_gib"] / row["allocated_gib"] - 1
                 row["err_total"] = row["est_total_gib"] / row["measured_total_gib"] - 1
-                print(f"{method:5} {precision} seq {seq:5} ckpt {int(ckpt)}: tensors est {row['est_tensors_gib']:6.2f}"
+                print(f"{loss:7} {method:5} {precision} seq {seq:5} ckpt {int(ckpt)}: tensors est {row['est_tensors_gib']:6.2f}"
                       f" meas {row['allocated_gib']:6.2f} ({row['err_tensors']:+.1%}) | total est "
                       f"{row['est_total_gib']:6.2f} meas {row['measured_total_gib']:6.2f} ({row['err_total']:+.1%})"
                       f" | outside torch {row['outside_torch_gib']:.2f} | {row['wall_s']:.1f}s", flush=True)

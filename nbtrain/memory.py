@@ -22,20 +22,24 @@ Parts (bytes):
 * optimizer: AdamW's exp_avg and exp_avg_sq, 8 bytes per trainable parameter, plus the 4-byte
   ``step`` tensor of each trainable tensor.
 * activations: the tensors autograd saves for backward, traced op by op through a Llama-style
-  decoder layer (RMSNorm -> q/k/v/o -> RoPE -> SDPA -> residual -> RMSNorm -> gate/up/down SiLU MLP):
-  with full fine-tuning under bf16 autocast this is ``26h + 4a + 4kv + 8i + 8 + 4*heads`` bytes per
-  token per layer, under fp32 ``24h + 8a + 8kv + 16i + 8 + 4*heads``, plus under autocast a bf16
-  copy of every Linear weight whose input needs a gradient (2 bytes/param; the LoRA base and the
-  output layer too). LoRA adds, per adapted Linear, a dropout mask (1 byte/element on CUDA, the
-  input dtype on CPU), the adapter's input cast (s bytes/element) and r*s. SDPA is assumed to use a
-  memory-efficient kernel (flash / cuDNN / efficient on CUDA, flash on CPU): q, k, v, out and the
-  fp32 log-sum-exp, linear in T; full-length rows, no padding mask. With gradient checkpointing
-  each layer keeps only its fp32 input (4h per token); one layer is recomputed at a time in backward.
-* logits and loss: the logits N*V*s stay alive through backward (the loop holds them); the loss
-  adds a fp32 copy and log_softmax's output, and its backward the two fp32 gradients: 12*N'*V at
-  the peak (often the largest single term for small models with big vocabularies).
-* overhead: on CUDA the context and cuBLAS workspaces (~0.5 GiB, constant) plus the caching
-  allocator's slack (10% of the tensor peak); on CPU only the slack (5%).
+  decoder layer (RMSNorm -> q/k/v/o -> RoPE -> SDPA -> residual -> RMSNorm -> gate/up/down SiLU MLP;
+  other architectures: the same layer with their sizes, noted). Full fine-tuning under bf16 autocast
+  keeps ``26h + 4a + 4kv + 8i + 8 + 4*heads`` bytes per token per layer, under fp32
+  ``24h + 8a + 8kv + 16i + 8 + 4*heads``; under autocast also a bf16 copy of every Linear weight whose
+  input needs a gradient (2 bytes/param: the frozen LoRA base and the output layer too). LoRA adds,
+  per adapted Linear, a dropout mask (1 byte/element on CUDA, the input's dtype on CPU), the adapter
+  input's cast (s bytes/element) and r*s; QLoRA's 4-bit layers keep nothing but return their input's
+  dtype (fp32 in the MLP). SDPA: q, k, v, out and the fp32 log-sum-exp (flash / cuDNN / efficient,
+  linear in T), except fp32 with grouped kv heads on CUDA, where only the math kernel exists: scaled
+  q, k and v repeated to all heads, and the heads*T*T softmax. Rows are full length (no padding mask).
+  With gradient checkpointing each layer keeps only its fp32 input (4h per token) and is recomputed,
+  one at a time, in backward.
+* logits and loss: the logits N*V*s stay alive through backward (the loop holds them); the loss adds
+  an fp32 copy and log_softmax's output, its backward the two fp32 gradients: 12*N'*V at the peak
+  (often the largest single term for small models with big vocabularies). With ``chunked_loss`` only
+  one chunk C = loss_chunk_tokens: 12*C*V, plus the selected fp32 hidden states and their gradient.
+* overhead: on CUDA the context and libraries outside PyTorch's allocator (0.75 GiB, measured on an
+  H200) plus the caching allocator's reserved-but-free blocks (14% of the tensor peak); on CPU 5%.
 
 The total is not the sum of the parts: it is the peak of a timeline of one training step. Weights
 and optimizer state are always there; gradients (``set_to_none``) appear during backward, as the
@@ -47,7 +51,8 @@ recomputation under checkpointing), the embedding's backward, and the optimizer 
 
 Advice (only when the total does not fit) follows the out-of-memory flow: (1) lower
 micro_batch_size and raise grad_accum_steps to keep the effective batch, (2) enable gradient
-checkpointing, (3) switch full -> LoRA -> QLoRA, (4) shorten max_seq_len. Each item is cumulative:
+checkpointing, then the chunked loss (causal LM), (3) switch full -> LoRA -> QLoRA, (4) shorten
+max_seq_len. A step is taken only when it lowers the estimate. Each item is cumulative:
 its ``change`` holds all overrides so far, so ``cfg.replace(**advice[k].change)`` is the config whose
 estimate ``advice[k].total_gib`` is; the list stops at the first that fits.
 """
@@ -260,7 +265,7 @@ def _arch(model: str, task: str, num_labels: int, stamp: Optional[float]) -> _Ar
             linears.append(_Linear(name, name.rsplit(".", 1)[-1], _layer_index(name, layers), mod.in_features,
                                    mod.out_features, mod.weight.numel(),
                                    mod.bias.numel() if mod.bias is not None else 0))
-    lin_weights = {f"{l.name}.weight" for l in linears}
+    lin_weights = {f"{lin.name}.weight" for lin in linears}
     params = []
     for name, p in m.named_parameters():   # tied parameters are yielded once
         if id(p) in seen:
@@ -275,11 +280,11 @@ def _arch(model: str, task: str, num_labels: int, stamp: Optional[float]) -> _Ar
         from .models.loading import head_module_names
 
         names = head_module_names(m)
-        head = next((l.name for l in linears if names and l.name.split(".")[0] in names), None)
-    head_out = next((l.n_out for l in linears if l.name == head), int(getattr(c, "vocab_size", 0) or 0))
+        head = next((lin.name for lin in linears if names and lin.name.split(".")[0] in names), None)
+    head_out = next((lin.n_out for lin in linears if lin.name == head), int(getattr(c, "vocab_size", 0) or 0))
     emb = m.get_input_embeddings()
     tied = bool(out is not None and emb is not None and out.weight is emb.weight)
-    layer_leaves = {l.leaf for l in linears if l.layer is not None}
+    layer_leaves = {lin.leaf for lin in linears if lin.layer is not None}
     llama_like = set(_LLAMA_ROLES) <= layer_leaves
     return _Arch(model_type=str(getattr(c, "model_type", type(m).__name__)), hidden=hidden, layers=layers,
                  heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=inter, vocab=head_out, tied=tied,
@@ -333,9 +338,9 @@ def _quant_skip(model: str, task: str, num_labels: int, arch: _Arch) -> set[str]
         except Exception:  # an older transformers: the output layer is what it skips
             keys = [arch.head] if arch.head else []
     skip = set()
-    for l in arch.linears:
-        if any(l.name == k or l.name.startswith(k + ".") or l.name.endswith(k) for k in keys):
-            skip.add(l.name)
+    for lin in arch.linears:
+        if any(lin.name == k or lin.name.startswith(k + ".") or lin.name.endswith(k) for k in keys):
+            skip.add(lin.name)
     return skip
 
 
@@ -495,10 +500,10 @@ def _layer_specs(arch: _Arch, layer: int, method: str, adapted: dict[str, int], 
     """The seven projections of decoder layer ``layer`` with how each one trains."""
     kind = {"full": "trainable", "lora": "frozen", "qlora": "quant"}[method]
     by_role = {}
-    for l in arch.linears:
-        if l.layer == layer and l.leaf in _LLAMA_ROLES:
-            by_role[_LLAMA_ROLES[l.leaf]] = _Lin(l.n_in, l.n_out, l.weight, kind,
-                                                 r if l.name in adapted else 0)
+    for lin in arch.linears:
+        if lin.layer == layer and lin.leaf in _LLAMA_ROLES:
+            by_role[_LLAMA_ROLES[lin.leaf]] = _Lin(lin.n_in, lin.n_out, lin.weight, kind,
+                                                 r if lin.name in adapted else 0)
     if len(by_role) < 7:  # not Llama-shaped: the same sizes, every projection treated alike
         h, a, kvd, i = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.intermediate
         lr = r if method != "full" and adapted else 0
@@ -538,7 +543,7 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
 
     # -- exact parts: parameters, gradients, optimizer state --------------------------------------------------
     params = {name: n for name, n, _ in arch.params}
-    lin_by_weight = {f"{l.name}.weight": l for l in arch.linears}
+    lin_by_weight = {f"{lin.name}.weight": lin for lin in arch.linears}
     adapted: dict[str, int] = {}
     if method == "full":
         trainable = arch.total_params
@@ -555,13 +560,13 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
         skip = _quant_skip(cfg.model, task, num_labels, arch)
         weights = 4 * extra_params
         for name, n in params.items():
-            l = lin_by_weight.get(name)
-            if l is None or l.name in skip:
+            lin = lin_by_weight.get(name)
+            if lin is None or lin.name in skip:
                 weights += 4 * n
             elif cfg.quant_bits == 4:
                 weights += _nf4_bytes(n)
             else:
-                weights += n + 4 * l.n_out
+                weights += n + 4 * lin.n_out
     else:
         weights = 4 * total
     grads = 4 * trainable
@@ -598,7 +603,7 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     fwd_extra, mlp_grad, attn_grad = tr1.fwd_extra, tr1.mlp_grad, tr1.attn_grad
 
     # the head: final norm, then the output layer / classifier
-    head_l = next((l for l in arch.linears if l.name == arch.head), None)
+    head_l = next((lin for lin in arch.linears if lin.name == arch.head), None)
     head_weight = head_l.weight if head_l else arch.vocab * h
     head_trainable = full or task == "sequence-classification"
     chunked = cfg.chunked_loss and task == "causal-lm"
@@ -617,9 +622,9 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
         head_saved += (4 * h + 8) * n_tgt
         logits = 0
         copy = 2 * head_weight if ac else 0
-        loss_bwd = (12 + s) * C * arch.vocab + 2 * 4 * h * n_tgt + copy
-        if head_trainable and n_tgt > C:   # the weight's gradients of the chunks are summed out of place
-            loss_bwd += 2 * 4 * head_weight
+        loss_bwd = 12 * C * arch.vocab + 2 * 4 * h * n_tgt + copy
+        if head_trainable and n_tgt > C:   # the earlier chunks' weight gradient waits to be summed
+            loss_bwd += 4 * head_weight
         grad_logits = 0
         chunk_fwd = 4 * h * N + (s + 8) * C * arch.vocab + copy
     elif task == "causal-lm":
@@ -674,8 +679,13 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     phases["loss"] = (G0 + acts + logits + loss_bwd, "the loss backward (log_softmax)")
     # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
     gw = head_weight * ((s + 4) if ac else 4) if head_trainable else 0
-    phases["head"] = (G0 + acts + logits + grad_logits + (s + 4) * h * N + gw + (loss_bwd if chunked else 0),
-                      "the output layer's backward")
+    if chunked:   # one chunk's logits gradient and the weight's; the log_softmax tensors are gone by then
+        gw_phase = G0 + acts + s * C * arch.vocab + gw + loss_bwd - 12 * C * arch.vocab
+        if head_trainable and n_tgt > C:   # ... and the sum is made out of place
+            gw_phase += 4 * head_weight
+    else:
+        gw_phase = G0 + acts + logits + grad_logits + (s + 4) * h * N + gw
+    phases["head"] = (gw_phase, "the output layer's backward")
     # decoder layers, last to first: their activations go, their gradients come
     remaining = acts - head_saved
     g_so_far = g_head + g_other
@@ -806,6 +816,11 @@ def _advise(cfg: TrainConfig, dev: str, total: float, name: str) -> list[Advice]
     # 2. gradient checkpointing: keep each layer's input only, recompute the rest in backward
     if not cfg.gradient_checkpointing and first_fit(
             [({"gradient_checkpointing": True}, "gradient_checkpointing on (~30% more compute)")]):
+        return advice
+    # 2b. the loss chunk by chunk (nbtrain's chunked_loss): the vocabulary-sized logits never exist whole
+    if cfg.task == "causal-lm" and not cfg.chunked_loss and first_fit(
+            [({"chunked_loss": True}, f"chunked_loss on (the output layer and loss {cfg.loss_chunk_tokens} "
+                                      "tokens at a time; same loss)")]):
         return advice
     # 3. full -> LoRA -> QLoRA
     order = ["full", "lora", "qlora"]

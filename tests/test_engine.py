@@ -254,3 +254,26 @@ def test_core_imports_no_ui_modules():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('ipywidgets', 'plotly', 'IPython')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_runs_after_the_new_tf32_api_was_used(tiny_cfg):
+    """A transformers.Trainer with tf32=True switches torch to the new fp32_precision API; nbtrain must cope."""
+    if not hasattr(torch.backends, "fp32_precision"):
+        pytest.skip("torch without the fp32_precision API")
+    before = torch.backends.fp32_precision
+    torch.backends.fp32_precision = "tf32"
+    try:
+        r = nbt.train(tiny_cfg.replace(max_steps=1))
+        assert len(r.history) == 1 and torch.backends.fp32_precision == "tf32"
+    finally:
+        torch.backends.fp32_precision = before
+
+
+def test_loss_sum_matches_plain_mean():
+    from nbtrain.engine import loss_sum
+
+    logits = torch.randn(2, 5, 11)
+    labels = torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 7, 8]])
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),
+                                            ignore_index=-100, reduction="sum")
+    assert torch.allclose(loss_sum(logits, labels, "causal-lm"), ref)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nbtrain.config import TrainConfig
+from nbtrain.engine.losses import chunked_loss_sum
 from nbtrain.engine.loop import loss_sum
 from nbtrain.hardware import capabilities
 from nbtrain.memory import Advice, MemoryEstimate, estimate_memory, format_estimate
@@ -54,8 +55,14 @@ def _train_step(model, cfg: TrainConfig, precision: str, opt, steps: int = 1) ->
             ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
                    else contextlib.nullcontext())
             with ctx:
-                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-            loss = loss_sum(logits, ids, "causal-lm") / ids.numel()
+                if cfg.chunked_loss:
+                    logits = None
+                    loss = chunked_loss_sum(model, ids, torch.ones_like(ids), ids, cfg.loss_chunk_tokens)
+                else:
+                    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            if not cfg.chunked_loss:
+                loss = loss_sum(logits, ids, "causal-lm")
+            loss = loss / ids.numel()
             loss.backward()
             del logits, loss
         if opt is not None:
@@ -144,15 +151,16 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("method,precision,ckpt,accum,batch", [
-    ("full", "bf16", False, 1, 8),
-    ("full", "fp32", True, 2, 8),
-    ("lora", "fp32", False, 1, 8),
-    ("lora", "bf16", True, 1, 2),     # bf16 is slow on most CPUs: a smaller batch
+@pytest.mark.parametrize("method,precision,ckpt,accum,batch,chunked", [
+    ("full", "bf16", False, 1, 8, False),
+    ("full", "fp32", True, 2, 8, False),
+    ("lora", "fp32", False, 1, 8, False),
+    ("lora", "bf16", True, 1, 2, False),     # bf16 is slow on most CPUs: a smaller batch
+    ("full", "fp32", False, 1, 8, True),     # the chunked loss, 4 chunks
 ])
-def test_peak_matches_a_traced_training_step(method, precision, ckpt, accum, batch):
+def test_peak_matches_a_traced_training_step(method, precision, ckpt, accum, batch, chunked):
     cfg = _cfg(method=method, precision=precision, gradient_checkpointing=ckpt, grad_accum_steps=accum,
-               micro_batch_size=batch, max_seq_len=128)
+               micro_batch_size=batch, max_seq_len=128, chunked_loss=chunked, loss_chunk_tokens=256)
     est = estimate_memory(cfg, device="cpu", device_total_gib=64)
     model = _build(cfg, precision)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -232,7 +240,7 @@ def test_advice_makes_a_config_that_does_not_fit_fit():
     again = estimate_memory(final, device="cpu", device_total_gib=limit)
     assert again.fits and again.total_gib == pytest.approx(est.advice[-1].total_gib)
     keys = [k for a in est.advice for k in a.change if k not in ("grad_accum_steps",)]
-    order = ["micro_batch_size", "gradient_checkpointing", "method", "max_seq_len"]
+    order = ["micro_batch_size", "gradient_checkpointing", "chunked_loss", "method", "max_seq_len"]
     firsts = [k for i, k in enumerate(keys) if k not in keys[:i]]
     assert firsts == sorted(firsts, key=order.index)
 

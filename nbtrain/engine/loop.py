@@ -82,9 +82,9 @@ _EVAL_FIELDS = ("step", "eval_loss", "eval_tokens", "eval_accuracy", "eval_perpl
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
     """Sum (not mean) of the per-target losses in fp32, so a step can divide by its own token count."""
     if task == "causal-lm":
-        logits = logits[:, :-1, :]
-        labels = labels[:, 1:]
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+        # Shift the labels, not the logits: slicing the logits would copy all of them (GBs for big vocabularies).
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=-100, reduction="sum")
     return F.cross_entropy(logits.float(), labels, reduction="sum")
 

@@ -37,26 +37,45 @@ def make_scaler(spec: PrecisionSpec, device_type: str) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device_type, enabled=spec.scaler)
 
 
+def _read_tf32():
+    """("legacy", flags) or ("new", precisions): whichever TF32 API the process already uses.
+
+    torch >= 2.9 refuses to read the legacy flags once the new ``fp32_precision`` API was used (a
+    transformers.Trainer with tf32=True does that), and refuses mixing them, so we keep to the one in use.
+    """
+    try:
+        return "legacy", (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                          torch.get_float32_matmul_precision())
+    except RuntimeError:
+        return "new", (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
+                       torch.backends.cudnn.conv.fp32_precision)
+
+
+def _write_tf32(api: str, values) -> None:
+    if api == "legacy":
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = values[0], values[1]
+        torch.set_float32_matmul_precision(values[2])
+    else:
+        torch.backends.fp32_precision = values[0]
+        torch.backends.cuda.matmul.fp32_precision = values[1]
+        torch.backends.cudnn.conv.fp32_precision = values[2]
+
+
 @contextlib.contextmanager
 def global_torch_state(spec: PrecisionSpec):
     """Set the process-wide flags a precision needs, and restore every one of them afterwards."""
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.get_float32_matmul_precision(),
-        torch.get_default_dtype(),
-        torch.is_grad_enabled(),
-    )
+    api, saved_tf32 = _read_tf32()
+    saved = (torch.get_default_dtype(), torch.is_grad_enabled())
     try:
-        torch.backends.cuda.matmul.allow_tf32 = spec.tf32
-        torch.backends.cudnn.allow_tf32 = spec.tf32
-        torch.set_float32_matmul_precision("high" if spec.tf32 else "highest")
+        if api == "legacy":
+            _write_tf32(api, (spec.tf32, spec.tf32, "high" if spec.tf32 else "highest"))
+        else:
+            mode = "tf32" if spec.tf32 else "ieee"
+            _write_tf32(api, (saved_tf32[0], mode, mode))
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved[0]
-        torch.backends.cudnn.allow_tf32 = saved[1]
-        torch.set_float32_matmul_precision(saved[2])
-        torch.set_default_dtype(saved[3])
-        torch.set_grad_enabled(saved[4])
+        _write_tf32(api, saved_tf32)
+        torch.set_default_dtype(saved[0])
+        torch.set_grad_enabled(saved[1])

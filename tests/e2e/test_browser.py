@@ -1,0 +1,237 @@
+"""Real-browser tests: 01_quickstart in JupyterLab and in Notebook 7, driven by Chromium through playwright.
+
+Each test starts its own Jupyter server on 127.0.0.1 with a temporary config, runtime, settings and
+workspace directory and a copy of the notebook (the browser saves what it runs; the repo's notebooks
+stay stripped). It runs all cells, clicks Train in the panel, waits until the four live plots (loss, grad
+norm, loss scale, memory) have points in the rendered plotly DOM, clicks Stop, waits for the status to say
+stopped, checks the browser console for errors, and saves a screenshot to test-artifacts/. The server is
+stopped by its PID (after its kernels are shut down through the REST API).
+
+Needs Debian's chromium at /usr/bin/chromium and the playwright Python package (``make setup`` installs
+both; ``playwright install`` is never used). Without them the tests skip and say which one is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = "01_quickstart.ipynb"
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--no-first-run"]
+RUN_ALL_TIMEOUT_S = 300     # the whole notebook, in a real kernel, on 2 busy cores
+POINTS_TIMEOUT_S = 180      # from the Train click to points in all four plots
+
+
+def _missing() -> str | None:
+    if not Path(CHROMIUM).is_file():
+        return (f"Debian's chromium is not installed at {CHROMIUM} (apt-get install chromium; "
+                "`make setup` does it)")
+    for module, pip_name in (("playwright", "playwright"), ("jupyterlab", "jupyterlab"), ("notebook", "notebook")):
+        if importlib.util.find_spec(module) is None:
+            return f"the {pip_name} Python package is not installed (it is in the dev extra: pip install -e '.[dev]')"
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterServer:
+    """``jupyter lab`` or ``jupyter notebook`` on 127.0.0.1, everything it writes under ``tmp``."""
+
+    def __init__(self, app: str, tmp: Path):
+        self.app, self.tmp = app, tmp
+        self.port, self.token = _free_port(), secrets.token_hex(16)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.root = tmp / "work"
+        self.root.mkdir()
+        shutil.copy(ROOT / "notebooks" / NOTEBOOK, self.root / NOTEBOOK)
+        shutil.copytree(ROOT / "notebooks" / "configs", self.root / "configs")
+        dirs = {name: tmp / name for name in ("config", "data", "runtime", "ipython", "settings", "workspaces")}
+        for d in dirs.values():
+            d.mkdir()
+        config = {
+            "ServerApp": {"ip": "127.0.0.1", "port": self.port, "port_retries": 0, "open_browser": False,
+                          "root_dir": str(self.root), "allow_root": True},   # allow_root: CI containers run as root
+            "IdentityProvider": {"token": self.token},
+            # offline: no announcements, no update check, no PyPI extension manager
+            "LabApp": {"news_url": None, "check_for_updates_class": "jupyterlab.NeverCheckForUpdate",
+                       "extension_manager": "readonly"},
+        }
+        (dirs["config"] / "jupyter_server_config.json").write_text(json.dumps(config, indent=1))
+        self.env = {**os.environ, "JUPYTER_CONFIG_DIR": str(dirs["config"]), "JUPYTER_DATA_DIR": str(dirs["data"]),
+                    "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]), "IPYTHONDIR": str(dirs["ipython"]),
+                    "JUPYTERLAB_SETTINGS_DIR": str(dirs["settings"]),
+                    "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        self.env.pop("JPY_SESSION_NAME", None)
+        self.log = tmp / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "jupyter", self.app], env=self.env, cwd=self.root,
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter {self.app} exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                self.api("GET", "/api/status")
+                return
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        raise RuntimeError(f"jupyter {self.app} did not answer in {timeout} s:\n{self.log.read_text()}")
+
+    def api(self, method: str, path: str):
+        req = urllib.request.Request(f"{self.base}{path}", method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:   # kernels first, so that none outlives the server
+            for k in self.api("GET", "/api/kernels") or []:
+                self.api("DELETE", f"/api/kernels/{k['id']}")
+        except Exception:
+            pass
+        self.proc.terminate()          # SIGTERM to the server's own PID
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(params=["lab", "notebook"], ids=["jupyterlab", "notebook7"])
+def server(request, tmp_path):
+    srv = JupyterServer(request.param, tmp_path)
+    srv.start()
+    yield srv
+    srv.stop()
+    assert srv.proc.poll() is not None
+
+
+# JS run in the page: for a plotly graph div, the number of drawn points (markers, or line vertices) per
+# subplot, read from the rendered SVG.
+_POINTS_PER_SUBPLOT = """
+gd => {
+  const out = {};
+  for (const sub of gd.querySelectorAll('.cartesianlayer > g.subplot')) {
+    const name = [...sub.classList].find(c => /^x\\d*y\\d*$/.test(c));
+    let n = 0;
+    for (const tr of sub.querySelectorAll('.scatterlayer .trace')) {
+      n += tr.querySelectorAll('path.point').length;
+      for (const line of tr.querySelectorAll('path.js-line')) {
+        const d = line.getAttribute('d') || '';
+        n += (d.match(/[ML]/g) || []).length;
+      }
+    }
+    out[name] = n;
+  }
+  return out;
+}
+"""
+
+
+def _run_all(page, app: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+
+def test_quickstart_panel_in_browser(server):
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    name = "jupyterlab" if server.app == "lab" else "notebook7"
+    if server.app == "lab":
+        url = f"{server.base}/lab/workspaces/e2e-{secrets.token_hex(4)}/tree/{NOTEBOOK}?reset&token={server.token}"
+    else:
+        url = f"{server.base}/notebooks/{NOTEBOOK}?token={server.token}"
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 2200})
+            page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.goto(url)
+            nb = page.locator(".jp-NotebookPanel:visible")
+            expect(nb.locator(".jp-Cell").first).to_be_visible(timeout=120_000)
+            # the kernel is up before anything runs
+            expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first).to_be_attached(
+                timeout=120_000)
+
+            _run_all(page, server.app)
+            prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
+            n_code = prompts.count()
+            assert n_code >= 8
+            deadline = time.monotonic() + RUN_ALL_TIMEOUT_S
+            while True:
+                texts = prompts.all_inner_texts()
+                done = [t for t in texts if any(ch.isdigit() for ch in t)]
+                if len(done) == n_code and not any("*" in t for t in texts):
+                    break
+                assert "Traceback (most recent call last)" not in nb.inner_text(), nb.inner_text()[-3000:]
+                assert time.monotonic() < deadline, f"Run All did not finish in {RUN_ALL_TIMEOUT_S} s: {texts}"
+                time.sleep(1)
+            outputs = nb.locator(".jp-OutputArea").all_inner_texts()
+            assert not any("Traceback (most recent call last)" in t for t in outputs), "\n".join(outputs)[-3000:]
+
+            cell = nb.locator(".jp-CodeCell").filter(has=page.get_by_role("button", name="Train", exact=True))
+            expect(cell).to_have_count(1)
+            cell.scroll_into_view_if_needed()
+            train = cell.get_by_role("button", name="Train", exact=True)
+            stop = cell.get_by_role("button", name="Stop", exact=True)
+            expect(train).to_be_enabled()
+            old_plot = cell.locator(".js-plotly-plot").first.element_handle()   # the run the notebook made itself
+
+            train.click()
+            expect(stop).to_be_enabled(timeout=30_000)
+            page.wait_for_function("el => !el.isConnected", arg=old_plot, timeout=30_000)   # a new dashboard
+            plot = cell.locator(".js-plotly-plot").first
+            expect(plot).to_be_visible(timeout=60_000)
+            deadline = time.monotonic() + POINTS_TIMEOUT_S
+            while True:
+                counts = plot.evaluate(_POINTS_PER_SUBPLOT)
+                if len(counts) == 4 and all(n >= 2 for n in counts.values()):
+                    break
+                assert time.monotonic() < deadline, f"the four plots did not get points: {counts}"
+                time.sleep(0.5)
+
+            stop.click()
+            status = cell.get_by_text("stopped (history kept)")
+            expect(status).to_be_visible(timeout=120_000)
+            expect(train).to_be_enabled()
+            counts = plot.evaluate(_POINTS_PER_SUBPLOT)
+            assert len(counts) == 4 and all(n >= 2 for n in counts.values()), counts
+            cell.scroll_into_view_if_needed()
+            cell.locator(".jp-OutputArea").first.screenshot(path=str(ARTIFACTS / f"e2e-{name}-panel.png"))
+            page.screenshot(path=str(ARTIFACTS / f"e2e-{name}-page.png"))
+        finally:
+            browser.close()
+    assert not problems, "browser console errors:\n" + "\n".join(problems)
