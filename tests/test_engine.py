@@ -235,11 +235,11 @@ def test_start_runs_in_background_and_stops(tiny_cfg):
 
 
 def test_global_torch_state_restored(tiny_cfg):
-    before = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_float32_matmul_precision(),
-              torch.backends.cuda.matmul.allow_tf32)
+    from nbtrain.engine.precision import tf32_state
+
+    before = (torch.get_default_dtype(), torch.is_grad_enabled(), tf32_state())
     nbt.train(tiny_cfg.replace(precision="bf16", max_steps=1))
-    assert (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_float32_matmul_precision(),
-            torch.backends.cuda.matmul.allow_tf32) == before
+    assert (torch.get_default_dtype(), torch.is_grad_enabled(), tf32_state()) == before
 
 
 def test_output_dir_written(tiny_cfg, tmp_path):

@@ -189,8 +189,9 @@ def test_five_runs_no_leak_no_bleed(tiny_cfg):
     import psutil
 
     proc = psutil.Process()
-    flags = lambda: (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_float32_matmul_precision(),  # noqa: E731
-                     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    from nbtrain.engine.precision import tf32_state
+
+    flags = lambda: (torch.get_default_dtype(), torch.is_grad_enabled(), tf32_state())  # noqa: E731
     before = flags()
     histories, rss = [], []
     for i in range(5):

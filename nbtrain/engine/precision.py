@@ -37,7 +37,7 @@ def make_scaler(spec: PrecisionSpec, device_type: str) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device_type, enabled=spec.scaler)
 
 
-def _read_tf32():
+def tf32_state():
     """("legacy", flags) or ("new", precisions): whichever TF32 API the process already uses.
 
     torch >= 2.9 refuses to read the legacy flags once the new ``fp32_precision`` API was used (a
@@ -64,7 +64,7 @@ def _write_tf32(api: str, values) -> None:
 @contextlib.contextmanager
 def global_torch_state(spec: PrecisionSpec):
     """Set the process-wide flags a precision needs, and restore every one of them afterwards."""
-    api, saved_tf32 = _read_tf32()
+    api, saved_tf32 = tf32_state()
     saved = (torch.get_default_dtype(), torch.is_grad_enabled())
     try:
         if api == "legacy":
