@@ -4,11 +4,10 @@ Nothing is loaded or run: the architecture is built on the ``meta`` device (exac
 no weights), LoRA adapters are applied there by peft with the same ``LoraConfig`` the trainer uses,
 and the rest is arithmetic. The model follows what nbtrain's loop does (``nbtrain.engine.loop``):
 fp32 master weights, the forward under ``torch.autocast`` (bf16/fp16) or plain fp32/tf32, the loss
-``cross_entropy(logits[:, :-1].float(), ...)`` outside autocast, ``backward()``, then AdamW and
+``cross_entropy(logits.float(), shifted labels)`` outside autocast, ``backward()``, then AdamW and
 ``zero_grad(set_to_none=True)``.
 
-Notation: B = micro_batch_size, T = max_seq_len, N = B*T tokens per micro-batch, N' = B*(T-1)
-loss targets, h = hidden size, a = heads*head_dim, kv = kv_heads*head_dim, i = intermediate size,
+Notation: B = micro_batch_size, T = max_seq_len, N = B*T tokens per micro-batch, h = hidden size, a = heads*head_dim, kv = kv_heads*head_dim, i = intermediate size,
 V = vocabulary (or number of labels), s = autocast bytes (2 under bf16/fp16, 4 under fp32/tf32).
 
 Parts (bytes):
@@ -34,8 +33,9 @@ Parts (bytes):
   q, k and v repeated to all heads, and the heads*T*T softmax. Rows are full length (no padding mask).
   With gradient checkpointing each layer keeps only its fp32 input (4h per token) and is recomputed,
   one at a time, in backward.
-* logits and loss: the logits N*V*s stay alive through backward (the loop holds them); the loss adds
-  an fp32 copy and log_softmax's output, its backward the two fp32 gradients: 12*N'*V at the peak
+* logits and loss: the logits N*V*s stay alive through backward (the loop holds them); the loss (over
+  all N rows: the loop shifts the labels, not the logits) adds an fp32 copy (under autocast) and
+  log_softmax's output, its backward the two fp32 gradients: 12*N*V at the peak
   (often the largest single term for small models with big vocabularies). With ``chunked_loss`` only
   one chunk C = loss_chunk_tokens: 12*C*V, plus the selected fp32 hidden states and their gradient.
 * overhead: on CUDA the context and libraries outside PyTorch's allocator (0.75 GiB, measured on an
@@ -44,7 +44,7 @@ Parts (bytes):
 The total is not the sum of the parts: it is the peak of a timeline of one training step. Weights
 and optimizer state are always there; gradients (``set_to_none``) appear during backward, as the
 activations they replace are freed. So the peak is the largest of: the end of the forward,
-the loss backward (all activations + logits + 12*N'*V), the output layer's backward, each decoder
+the loss backward (all activations + logits + 12*N*V), the output layer's backward, each decoder
 layer's backward (remaining activations + gradients so far + that layer's transient, and its
 recomputation under checkpointing), the embedding's backward, and the optimizer step. With
 ``grad_accum_steps > 1`` the gradients of the earlier micro-batches coexist with the activations.
@@ -177,8 +177,8 @@ def format_estimate(est: MemoryEstimate) -> str:
             lines.append(f"  {'-' * width}  {'-' * 9}")
         lines.append(f"  {name:<{width}}  {getattr(est, attr):>9.2f}")
     lines.append("")
-    lines.append(f"  the total is the step's peak ({est.peak_phase}), not the sum of the parts: gradients are")
-    lines.append("  created in backward as the activations are freed")
+    lines.append(f"  total: the step's peak, at {est.peak_phase}; not the sum of the parts, since")
+    lines.append("  gradients are created in backward as the activations are freed")
     verdict = "fits" if est.fits else "DOES NOT FIT"
     lines.append(f"  {est.device}: {est.device_total_gib:.2f} GiB -> {verdict}")
     for n in est.notes:
@@ -579,6 +579,8 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     r = cfg.lora_r
     if not arch.llama_like:
         notes.append(f"{arch.model_type}: activations approximated with a Llama-style layer of the same sizes")
+    if method == "qlora" and cfg.quant_bits == 8:
+        notes.append("8-bit layers' activations are approximated as the 4-bit layers' (measured for 4-bit only)")
 
     # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
     # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
@@ -628,8 +630,9 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
         grad_logits = 0
         chunk_fwd = 4 * h * N + (s + 8) * C * arch.vocab + copy
     elif task == "causal-lm":
+        # the loop shifts the labels (padded with -100), not the logits: the loss runs over all N rows
         logits = N * arch.vocab * logits_t.size
-        loss_bwd = 12 * n_tgt * arch.vocab + 8 * n_tgt   # log_softmax output, its two fp32 gradients, targets
+        loss_bwd = 12 * N * arch.vocab + 8 * N   # log_softmax output, its two fp32 gradients, targets
         grad_logits = N * arch.vocab * logits_t.size
     else:
         logits = N * arch.vocab * logits_t.size  # the head runs on every position, then pools

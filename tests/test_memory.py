@@ -202,6 +202,29 @@ def test_monotonic():
     assert lora.gradients_bytes < base.gradients_bytes and lora.optimizer_bytes < base.optimizer_bytes
     assert qlora.weights_bytes < lora.weights_bytes
     assert est(lora_r=32, method="lora").trainable_params == 4 * lora.trainable_params
+    chunked = est(micro_batch_size=16, max_seq_len=256, chunked_loss=True, loss_chunk_tokens=512)
+    assert chunked.logits_gib < est(micro_batch_size=16, max_seq_len=256).logits_gib / 4
+
+
+def test_fp32_grouped_attention_on_cuda_is_quadratic(tmp_path):
+    """CUDA has no fused fp32 kernel for grouped kv heads: SDPA's math kernel keeps heads x T x T scores."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path)
+
+    def growth(precision, device):
+        """How much more the second doubling of T adds than the first: 2 when linear in T."""
+        a = [estimate_memory(TrainConfig(model=str(tmp_path), precision=precision, max_seq_len=t,
+                                         micro_batch_size=2), device=device, device_total_gib=80)
+             for t in (256, 512, 1024)]
+        return (a[2].activations_gib - a[1].activations_gib) / (a[1].activations_gib - a[0].activations_gib), a[0]
+
+    ratio, est = growth("fp32", "cuda")
+    assert ratio > 2.5 and any("math kernel" in n for n in est.notes)
+    for precision, device in (("bf16", "cuda"), ("fp32", "cpu")):
+        ratio, est = growth(precision, device)
+        assert ratio == pytest.approx(2, rel=0.02) and not any("math kernel" in n for n in est.notes)
 
 
 def test_cuda_adds_the_context_and_keeps_tensor_terms():
