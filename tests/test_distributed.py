@@ -91,3 +91,27 @@ def test_launch_stop_ends_all_workers():
     assert result.summary["stopped_reason"] == "stopped" and 2 <= len(result.history) < 100000
     assert run.process.poll() is not None
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_launch_feeds_dashboard_in_headless_notebook(tmp_path):
+    """nbt.launch with 2 CPU processes drives a LiveDashboard in a notebook executed headless (nbclient)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    code = (
+        "import nbtrain as nbt\n"
+        f"cfg = nbt.TrainConfig(**{BASE!r}, micro_batch_size=4)\n"
+        "dash = nbt.LiveDashboard()\n"
+        "run = nbt.launch(cfg, num_processes=2, callbacks=[dash])\n"
+        "result = run.wait(300)\n"
+        "assert result.summary['world_size'] == 2 and len(result.history) == 4\n"
+        "assert len(dash.records) == 4, len(dash.records)\n"
+        "print('LAUNCH-OK', dash.mode)\n"
+    )
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    NotebookClient(nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = nb.cells[0].outputs
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "LAUNCH-OK html" in text
+    assert any("plotly" in str(o.get("data", {})) for o in outputs if o.output_type in ("display_data",
+                                                                                        "update_display_data"))

@@ -79,6 +79,12 @@ CHANGES = {
     "seed": (7, 7),
     "output_dir": ("/tmp/nbtrain-out", "/tmp/nbtrain-out"),
     "nonfinite": ("stop", "stop"),
+    "chunked_loss": (True, True),
+    "loss_chunk_tokens": (512, 512),
+    "compile": (True, True),
+    "auto_batch_size": (True, True),
+    "save_every": ("10", 10),
+    "resume_from": ("/tmp/nbtrain-out/checkpoints", "/tmp/nbtrain-out/checkpoints"),
 }
 
 
@@ -93,7 +99,8 @@ def test_every_field_has_a_control_and_a_test_case():
 
 @pytest.mark.parametrize("field", list(CHANGES))
 def test_setting_a_control_changes_that_field(field):
-    base = TrainConfig()
+    # save_every is only valid with an output_dir (checkpoints go there), so that one starts from a config with it
+    base = TrainConfig(output_dir="/tmp/nbtrain-out") if field == "save_every" else TrainConfig()
     panel = Panel(base, debounce_s=0)
     value, expected = CHANGES[field]
     panel.controls[field].value = value

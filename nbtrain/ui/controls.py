@@ -218,6 +218,12 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
                                                          ("continue (apply it)", "continue")]),
                            lambda v: _NONFINITE_DEFAULT if v is None else v,
                            lambda x: None if x == _NONFINITE_DEFAULT else x),
+        "chunked_loss": Codec(_check("Chunked loss (causal LM)")),
+        "loss_chunk_tokens": Codec(_int("Loss chunk (tokens)")),
+        "compile": Codec(_check("torch.compile")),
+        "auto_batch_size": Codec(_check("Auto micro batch")),
+        "save_every": _with_widget(_optional_int("no checkpoints"), _text("Checkpoint every", "blank: never")),
+        "resume_from": _with_widget(_optional_str("starting fresh"), _text("Resume from", "blank: fresh run")),
     }
 
 

@@ -27,11 +27,12 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Model": ("model", "task"),
     "Data": ("data", "text_column", "label_column", "max_seq_len", "subset", "packing", "eval_fraction"),
     "Precision": ("precision",),
-    "Accumulation": ("micro_batch_size", "grad_accum_steps"),
+    "Accumulation": ("micro_batch_size", "grad_accum_steps", "auto_batch_size"),
     "Method": ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
                "gradient_checkpointing"),
     "Training": ("lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
-                 "eval_every", "log_every", "seed", "nonfinite", "output_dir"),
+                 "eval_every", "log_every", "seed", "nonfinite", "output_dir", "save_every", "resume_from",
+                 "chunked_loss", "loss_chunk_tokens", "compile"),
 }
 
 HELP: dict[str, str] = {
@@ -61,6 +62,12 @@ HELP: dict[str, str] = {
     "log_every": "print every N steps (every step is recorded)",
     "seed": "data order, eval split and initial weights",
     "nonfinite": "what a step with inf/nan does when no GradScaler skips it",
+    "auto_batch_size": "find the largest micro batch that fits; accumulation keeps the effective batch",
+    "save_every": "write a checkpoint (weights, optimizer, RNG, history) every N steps into output_dir",
+    "resume_from": "a checkpoint directory, or output_dir: continue that run exactly",
+    "chunked_loss": "compute the loss chunk by chunk: the full fp32 logits never exist (less memory)",
+    "loss_chunk_tokens": "target tokens per chunk of the chunked loss",
+    "compile": "torch.compile the model: faster steps after a slow first one",
     "output_dir": "write config, history and summary here",
 }
 

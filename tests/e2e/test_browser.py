@@ -36,6 +36,10 @@ BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backgr
                 "--disable-component-update", "--no-first-run"]
 RUN_ALL_TIMEOUT_S = 300     # the whole notebook, in a real kernel, on 2 busy cores
 POINTS_TIMEOUT_S = 180      # from the Train click to points in all four plots
+# User settings for both frontends: render every cell (no windowing, so every prompt can be read) and
+# do not ask about fetching news (the test is offline).
+SETTINGS = {"@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+            "@jupyterlab/apputils-extension/notification": {"fetchNews": "false"}}
 
 
 def _missing() -> str | None:
@@ -81,6 +85,10 @@ class JupyterServer:
                        "extension_manager": "readonly"},
         }
         (dirs["config"] / "jupyter_server_config.json").write_text(json.dumps(config, indent=1))
+        for plugin, values in SETTINGS.items():
+            f = dirs["settings"] / f"{plugin}.jupyterlab-settings"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps(values))
         self.env = {**os.environ, "JUPYTER_CONFIG_DIR": str(dirs["config"]), "JUPYTER_DATA_DIR": str(dirs["data"]),
                     "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]), "IPYTHONDIR": str(dirs["ipython"]),
                     "JUPYTERLAB_SETTINGS_DIR": str(dirs["settings"]),
@@ -158,9 +166,10 @@ gd => {
 """
 
 
-def _run_all(page, app: str) -> None:
+def _run_all(page) -> None:
+    """Run > Run All Cells, through the menu bar (the same in JupyterLab and Notebook 7)."""
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
 
 
 def test_quickstart_panel_in_browser(server):
@@ -186,7 +195,7 @@ def test_quickstart_panel_in_browser(server):
             expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first).to_be_attached(
                 timeout=120_000)
 
-            _run_all(page, server.app)
+            _run_all(page)
             prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
             n_code = prompts.count()
             assert n_code >= 8
