@@ -202,14 +202,7 @@ class TrainConfig(BaseModel):
     def from_yaml(cls, path: str | os.PathLike) -> "TrainConfig":
         """Load a config written by ``to_yaml`` (or by hand). Errors name the file."""
         p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: expected a mapping of TrainConfig fields, got {type(data).__name__}")
+        data = load_yaml_mapping(p, "TrainConfig fields")
         try:
             return cls(**data)
         except ConfigError as e:
@@ -252,6 +245,20 @@ class TrainConfig(BaseModel):
     def __repr__(self) -> str:
         changed = {k: v for k, v in self.to_dict().items() if v != type(self).model_fields[k].default}
         return "TrainConfig(" + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + ")"
+
+
+def load_yaml_mapping(path: str | os.PathLike, what: str = "keys") -> dict:
+    """A YAML file that must hold a mapping; errors name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of {what}, got {type(data).__name__}")
+    return data
 
 
 def parse_override(text: str) -> tuple[str, Any]:

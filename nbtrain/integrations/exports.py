@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, load_yaml_mapping
 
 # The TrainConfig fields each YAML format can carry. A round trip keeps all of them except those
 # named in the export's notes (for instance max_steps, which AutoTrain cannot express).
@@ -206,16 +206,7 @@ def _write(text: str, path) -> str:
 
 
 def _load_mapping(path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(p)!r} does not exist")
-    try:
-        doc = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{p}: expected a mapping, got {type(doc).__name__}")
-    return doc
+    return load_yaml_mapping(path)
 
 
 def _flatten(doc: dict, prefix: str = "") -> dict[str, Any]:
