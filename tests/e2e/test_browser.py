@@ -166,10 +166,30 @@ gd => {
 """
 
 
-def _run_all(page) -> None:
-    """Run > Run All Cells, through the menu bar (the same in JupyterLab and Notebook 7)."""
-    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+def _wait_for_kernel(server: JupyterServer, timeout: float = 120) -> None:
+    """Until the page's kernel is started, idle, and connected to the browser by its websocket."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kernels = server.api("GET", "/api/kernels") or []
+        if any(k["execution_state"] == "idle" and k.get("connections", 0) > 0 for k in kernels):
+            return
+        assert time.monotonic() < deadline, f"no connected idle kernel after {timeout} s: {kernels}"
+        time.sleep(0.5)
+
+
+def _run_all(page, timeout: float = 60) -> None:
+    """Run > Run All Cells through the menu bar (the same in JupyterLab and Notebook 7), once it is enabled."""
+    deadline = time.monotonic() + timeout
+    while True:
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        item = page.get_by_role("menuitem", name="Run All Cells", exact=True)
+        item.wait_for()
+        if "lm-mod-disabled" not in (item.get_attribute("class") or ""):
+            item.click()
+            return
+        page.keyboard.press("Escape")   # not ready yet (the notebook's session is still starting)
+        assert time.monotonic() < deadline, f"Run All Cells stayed disabled for {timeout} s"
+        time.sleep(1)
 
 
 def test_quickstart_panel_in_browser(server):
@@ -191,9 +211,7 @@ def test_quickstart_panel_in_browser(server):
             page.goto(url)
             nb = page.locator(".jp-NotebookPanel:visible")
             expect(nb.locator(".jp-Cell").first).to_be_visible(timeout=120_000)
-            # the kernel is up before anything runs
-            expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first).to_be_attached(
-                timeout=120_000)
+            _wait_for_kernel(server)
 
             _run_all(page)
             prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")

@@ -1,0 +1,62 @@
+"""capabilities(): CPU for real, CUDA by patching torch.cuda's queries (checked for real in test_gpu.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import nbtrain as nbt
+from nbtrain import hardware
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    def install(name, cc, total_gib, bf16):
+        props = SimpleNamespace(name=name, major=cc[0], minor=cc[1], total_memory=int(total_gib * 2**30))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+        hardware._capabilities.cache_clear()
+        return hardware._capabilities("cuda")
+
+    yield install
+    hardware._capabilities.cache_clear()
+
+
+def test_ampere_or_newer_allows_everything_and_auto_is_bf16(fake_cuda):
+    caps = fake_cuda("NVIDIA H200", (9, 0), 139.8, True)
+    assert caps.device == "cuda" and caps.total_memory_gib == pytest.approx(139.8, abs=0.01)
+    assert set(caps.allowed_precisions) == {"fp32", "tf32", "fp16", "bf16"}
+    assert caps.auto_precision == "bf16" and caps.tf32_supported and caps.fp16_fast
+
+
+def test_turing_has_no_bf16_or_tf32_and_auto_is_fp16(fake_cuda):
+    caps = fake_cuda("Tesla T4", (7, 5), 15.0, False)
+    assert caps.allowed_precisions == ("fp32", "fp16")
+    assert "bf16" in caps.reasons and "fp16" in caps.reasons["bf16"]      # the reason names the alternative
+    assert "Ampere" in caps.reasons["tf32"] and "7.5" in caps.reasons["tf32"]
+    assert caps.auto_precision == "fp16"
+
+
+def test_pascal_fp16_is_allowed_but_noted(fake_cuda):
+    caps = fake_cuda("Tesla P100", (6, 0), 16.0, False)
+    assert "fp16" in caps.allowed_precisions and "tensor cores" in caps.notes["fp16"]
+
+
+def test_cpu_capabilities_and_reasons():
+    caps = nbt.capabilities("cpu")
+    assert caps.device == "cpu" and "fp32" in caps.allowed_precisions and "fp16" in caps.allowed_precisions
+    assert "tf32" in caps.reasons and "fp16" in caps.notes or caps.fp16_fast
+    assert caps.auto_precision in ("bf16", "fp32")
+    assert caps.auto_precision == ("bf16" if caps.bf16_native else "fp32")
+
+
+def test_qlora_gated_without_bitsandbytes(monkeypatch):
+    monkeypatch.setattr(hardware, "_bitsandbytes_status", lambda device: (False, "bitsandbytes is not installed"))
+    hardware._capabilities.cache_clear()
+    try:
+        caps = nbt.capabilities("cpu")
+        assert "qlora" not in caps.allowed_methods and "method='lora'" in caps.reasons["qlora"]
+        with pytest.raises(nbt.ConfigError, match="(?s)method.*bitsandbytes.*lora"):
+            nbt.TrainConfig(method="qlora")
+    finally:
+        hardware._capabilities.cache_clear()
