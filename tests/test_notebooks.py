@@ -10,7 +10,6 @@ import re
 import shutil
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import nbformat
@@ -153,6 +152,14 @@ def test_readme_lists_the_notebooks_configs_and_binder():
 
 
 # -- Binder -------------------------------------------------------------------------------------------------------
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:   # Python 3.10
+        tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
 def _requirements(path: Path) -> tuple[list[str], list[str]]:
     """(requirement lines, option lines) of a pip requirements file, comments dropped."""
     reqs, opts = [], []
@@ -168,7 +175,7 @@ def test_binder_requirements_agree_with_pyproject():
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = _pyproject()["project"]["dependencies"]
     wanted = {canonicalize_name(r.name): r for r in map(Requirement, deps)}
     lines, options = _requirements(ROOT / "binder" / "requirements.txt")
     assert "." in lines or "-e ." in lines, "binder must install nbtrain itself from the repository"
@@ -192,7 +199,7 @@ def test_binder_files():
     binder = ROOT / "binder"
     runtime = (binder / "runtime.txt").read_text().strip()
     assert re.fullmatch(r"python-3\.\d+", runtime)
-    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    requires = _pyproject()["project"]["requires-python"]
     from packaging.specifiers import SpecifierSet
 
     assert SpecifierSet(requires).contains(runtime.removeprefix("python-") + ".0")
