@@ -138,8 +138,9 @@ def _capabilities(device: str) -> Capabilities:
         if not bf16_native:
             notes["bf16"] = "this CPU has no bf16 instructions: bf16 works but is slower than fp32"
         if not fp16_fast:
-            notes["fp16"] = ("this CPU has no fp16 hardware: fp16 autocast works but is ~10x slower "
-                             "than fp32; use it to study the GradScaler, not for speed")
+            notes["fp16"] = ("this CPU has no fp16 hardware: fp16 autocast works but is emulated and slower "
+                             "than fp32 (up to ~10x on large matmuls); use it to study the GradScaler, not "
+                             "for speed")
     bnb_ok, bnb_why = _bitsandbytes_status(device)
     if not bnb_ok:
         reasons["qlora"] = f"{bnb_why}; use method='lora' instead"

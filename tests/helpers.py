@@ -25,26 +25,31 @@ class Collect:
         self.result = result
 
 
-def inject_inf(monkeypatch, on_forward_calls):
-    """Make the model's logits inf on the given (1-based) forward calls of training."""
+def after_build(monkeypatch, modify):
+    """Patch nbtrain.models.build_model so ``modify(model)`` runs on every model the engine builds."""
     import nbtrain.models as models
 
     original = models.build_model
-    calls = {"n": 0}
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)
-
-        def hook(module, inputs, output):
-            if not module.training:
-                return output
-            calls["n"] += 1
-            if calls["n"] in on_forward_calls:
-                output.logits = output.logits * math.inf
-            return output
-
-        model.register_forward_hook(hook)
+        modify(model)
         return model
 
     monkeypatch.setattr(models, "build_model", build)
+
+
+def inject_inf(monkeypatch, on_forward_calls):
+    """Make the model's logits inf on the given (1-based) forward calls of training."""
+    calls = {"n": 0}
+
+    def hook(module, inputs, output):
+        if not module.training:
+            return output
+        calls["n"] += 1
+        if calls["n"] in on_forward_calls:
+            output.logits = output.logits * math.inf
+        return output
+
+    after_build(monkeypatch, lambda model: model.register_forward_hook(hook))
     return calls

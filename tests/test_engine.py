@@ -11,7 +11,7 @@ import torch
 import nbtrain as nbt
 from nbtrain.engine import STEP_FIELDS
 
-from .helpers import Collect, inject_inf
+from .helpers import Collect, after_build, inject_inf
 
 
 def _weights(model):
@@ -133,18 +133,13 @@ def test_fp32_nonfinite_stops_by_default(tiny_cfg, monkeypatch):
 
 
 def test_bf16_autocast_dtype_inside_model(tiny_cfg, monkeypatch):
-    import nbtrain.models as models
-
     seen = []
-    original = models.build_model
 
-    def build(*a, **k):
-        m = original(*a, **k)
+    def watch_first_linear(m):
         lin = next(mod for mod in m.modules() if isinstance(mod, torch.nn.Linear))
         lin.register_forward_hook(lambda mod, i, o: seen.append(o.dtype))
-        return m
 
-    monkeypatch.setattr(models, "build_model", build)
+    after_build(monkeypatch, watch_first_linear)
     r = nbt.train(tiny_cfg.replace(precision="bf16", max_steps=2))
     assert seen and set(seen) == {torch.bfloat16}
     assert r.history["scale"].isna().all()

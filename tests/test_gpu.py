@@ -7,6 +7,8 @@ import torch
 
 import nbtrain as nbt
 
+from .helpers import after_build
+
 pytestmark = pytest.mark.gpu
 
 SMALL = dict(model="tiny", subset=64, max_seq_len=64, max_steps=4, eval_fraction=0.0, lr=1e-3)
@@ -31,19 +33,13 @@ def test_each_precision_trains_on_cuda(precision):
 
 
 def _scale_weights(monkeypatch, factor):
-    import nbtrain.models as models
+    @torch.no_grad()
+    def scale(m):
+        for n, p in m.named_parameters():
+            if n.endswith("layers.0.mlp.down_proj.weight"):
+                p.mul_(factor)
 
-    original = models.build_model
-
-    def build(*a, **k):
-        m = original(*a, **k)
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if n.endswith("layers.0.mlp.down_proj.weight"):
-                    p.mul_(factor)
-        return m
-
-    monkeypatch.setattr(models, "build_model", build)
+    after_build(monkeypatch, scale)
 
 
 def test_real_fp16_overflow_is_skipped_and_bf16_is_not(monkeypatch):

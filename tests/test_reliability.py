@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import nbtrain as nbt
 from nbtrain.config import ConfigError
 
-from .helpers import inject_inf
+from .helpers import after_build, inject_inf
 
 
 def _weights(model):
@@ -78,23 +78,14 @@ def test_scan_fp16_overflow_names_the_module(tiny_cfg):
 
 # -- out of memory -----------------------------------------------------------------------------------------------
 def _oom_when(monkeypatch, predicate):
-    import nbtrain.models as models
-
-    original = models.build_model
     calls = {"n": 0}
 
-    def build(*a, **k):
-        model = original(*a, **k)
+    def pre(module, args, kwargs):
+        calls["n"] += 1
+        if predicate(calls["n"], kwargs["input_ids"]):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-        def pre(module, args, kwargs):
-            calls["n"] += 1
-            if predicate(calls["n"], kwargs["input_ids"]):
-                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-
-        model.register_forward_pre_hook(pre, with_kwargs=True)
-        return model
-
-    monkeypatch.setattr(models, "build_model", build)
+    after_build(monkeypatch, lambda model: model.register_forward_pre_hook(pre, with_kwargs=True))
 
 
 def test_out_of_memory_ends_run_with_history_model_and_advice(tiny_cfg, monkeypatch):

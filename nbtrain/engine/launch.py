@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -117,7 +116,7 @@ class LaunchedRun:
         except BaseException as e:  # kept for wait(); a reader thread must not die silently
             self.error = e
         finally:
-            shutil.rmtree(self._tmp / "STOP", ignore_errors=True)
+            self._stop_file.unlink(missing_ok=True)   # the temp dir stays: it may hold output_dir
 
     def stop(self) -> None:
         """Ask every worker to stop after its current step; terminate them if they have not within grace_s."""
