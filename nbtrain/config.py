@@ -85,7 +85,8 @@ class TrainConfig(BaseModel):
                           "(default: skip with a scaler, stop without)")
     chunked_loss: bool = Field(False, description="causal LM: compute the loss chunk by chunk from the hidden "
                                                   "states, never materialising the full fp32 logits")
-    loss_chunk_tokens: int = Field(4096, ge=16, description="target tokens per chunk of the chunked loss")
+    loss_chunk_tokens: int = Field(1024, ge=16, description="tokens per chunk of the chunked loss (a chunk's fp32 "
+                                   "logits take tokens x vocab x 4 bytes)")
     compile: bool = Field(False, description="torch.compile the model (first steps pay the compile time)")
     auto_batch_size: bool = Field(False, description="find the largest micro batch that fits and raise "
                                                      "grad_accum_steps to keep the effective batch")

@@ -556,8 +556,9 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
         extra_params = sum(adapted.values()) + sum(others.values())   # heads under modules_to_save are copies
         trainable = extra_params
         total = arch.total_params + extra_params
+    skip_quant: set = set()
     if method == "qlora":
-        skip = _quant_skip(cfg.model, task, num_labels, arch)
+        skip = skip_quant = _quant_skip(cfg.model, task, num_labels, arch)
         weights = 4 * extra_params
         for name, n in params.items():
             lin = lin_by_weight.get(name)
@@ -616,7 +617,26 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     head_saved = trh.per_token * N + trh.const
     n_tgt = B * (T - 1) if task == "causal-lm" else B
     chunk_fwd = 0
-    if chunked:
+    # nbtrain.engine.losses fuses the loss into a plain linear head (no adapter on it, not quantized)
+    head_adapted = bool(arch.head) and any(n == arch.head or n.startswith(arch.head + ".") for n in adapted)
+    head_quantized = method == "qlora" and head_l is not None and arch.head not in skip_quant
+    fused = chunked and head_l is not None and not head_adapted and not head_quantized
+    if fused:
+        # The fused path: each chunk's gradients (hidden states, and the weight when it trains) are made in the
+        # forward and kept until backward, which multiplies them by the incoming scalar (a second copy).
+        C = min(cfg.loss_chunk_tokens, n_tgt)
+        head_saved += (4 * h + 8) * n_tgt             # the selected fp32 hidden states and their targets
+        keep = 4 * h * n_tgt + (4 * head_weight if head_trainable else 0)
+        if ac:   # bf16 copies of the weight and the hidden states; a chunk's bf16 logits + fp32 copy, then its
+            # bf16 gradient beside the fp32 one, and the chunk's bf16 weight gradient before it is summed
+            copies = 2 * head_weight + 2 * h * n_tgt
+            chunk = 6 * C * arch.vocab + (2 * head_weight if head_trainable else 0)
+        else:    # fp32: the logits are made, turned into their gradient in place, and summed in place
+            copies, chunk = 0, 4 * C * arch.vocab
+        chunk_fwd = copies + keep + chunk
+        logits, grad_logits = 0, 0
+        loss_bwd = 2 * keep                           # ... and the scaled copies the backward makes
+    elif chunked:
         # nbtrain.engine.losses: the head and the loss chunk by chunk, each chunk recomputed in backward. Kept:
         # the selected hidden states (fp32) and targets; a chunk's backward holds its logits, log_softmax and
         # the two fp32 gradients, the head's bf16 weight copy, and the hidden states' gradient buffers
@@ -678,11 +698,14 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
 
     # end of the forward, still inside autocast, whose cache holds the trainable weights' bf16 copies
     cache_only = sum(layer_cache) if ckpt else 0
-    phases["forward"] = (G0 + acts + cache_only + logits + chunk_fwd, "the end of the forward")
+    phases["forward"] = (G0 + acts + cache_only + logits + chunk_fwd,
+                         "the chunked loss's forward (its gradients made there)" if fused else "the end of the forward")
     phases["loss"] = (G0 + acts + logits + loss_bwd, "the loss backward (log_softmax)")
     # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
     gw = head_weight * ((s + 4) if ac else 4) if head_trainable else 0
-    if chunked:   # one chunk's logits gradient and the weight's; the log_softmax tensors are gone by then
+    if fused:     # the saved gradients gone; the hidden states' gradient meets the index/slice backward
+        gw_phase = G0 + acts + (4 * head_weight if head_trainable else 0) + 4 * h * n_tgt + 2 * 4 * h * N
+    elif chunked:   # one chunk's logits gradient and the weight's; the log_softmax tensors are gone by then
         gw_phase = G0 + acts + s * C * arch.vocab + gw + loss_bwd - 12 * C * arch.vocab
         if head_trainable and n_tgt > C:   # ... and the sum is made out of place
             gw_phase += 4 * head_weight
@@ -715,7 +738,8 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     phases["embedding"] = (G + logits + emb_extra, "the embedding's backward")
     phases["optimizer"] = (G, "the optimizer step")
     top, where = max(phases.values(), key=lambda v: v[0])
-    return _Parts(weights=weights, grads=grads, optim=optim, acts=acts, logits=logits + loss_bwd,
+    head_part = max(chunk_fwd, loss_bwd) if fused else logits + loss_bwd
+    return _Parts(weights=weights, grads=grads, optim=optim, acts=acts, logits=head_part,
                   peak=weights + optim + top, phase=where, trainable=trainable, total=total, notes=notes)
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nbtrain as nbt
 from nbtrain.data import iter_steps, load_data
@@ -90,3 +91,190 @@ def test_chunked_loss_refuses_softcapped_models():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ChunkedLossError, match="softcapping"):
         split_for_chunked_loss(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused path (gradients made in the forward) against the plain loss and the recompute path
+# ---------------------------------------------------------------------------------------------------------------
+def _head_case(bias: bool, seed: int = 0, n: int = 70, hidden: int = 24, vocab: int = 300):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=g) * 0.3)
+        if bias:
+            head.bias.copy_(torch.randn(vocab, generator=g) * 0.3)
+    h = torch.randn(n, hidden, generator=g, requires_grad=True)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    return head, h, y
+
+
+def _grads(head, h, y, fn, scale=1.0):
+    head.zero_grad(set_to_none=True)
+    h.grad = None
+    loss = fn()
+    (loss * scale).backward()
+    return loss.detach(), [h.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if
+                                                                       head.bias is not None else [])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_and_recompute_equal_plain_fp32(bias):
+    from nbtrain.engine.losses import head_loss_sum
+
+    head, h, y = _head_case(bias)
+    ref = _grads(head, h, y, lambda: F.cross_entropy(head(h), y, reduction="sum"), scale=0.37)
+    for fused in (True, False):
+        got = _grads(head, h, y, lambda: head_loss_sum(head, h, y, chunk_tokens=16, fused=fused), scale=0.37)
+        assert got[0].item() == pytest.approx(ref[0].item(), rel=1e-5)
+        for a, b in zip(ref[1], got[1]):   # the incoming scale (1/n_targets x loss scale) reaches every gradient
+            assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+
+
+def test_fused_bf16_matches_the_plain_autocast_path():
+    """Same rounding points as the plain path: bf16 matmuls, fp32 softmax and loss."""
+    from nbtrain.engine.losses import head_loss_sum
+
+    head, h, y = _head_case(False, n=96, hidden=64, vocab=1000)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _grads(head, h, y, lambda: F.cross_entropy(head(h).float(), y, reduction="sum"))
+        fused = _grads(head, h, y, lambda: head_loss_sum(head, h, y, chunk_tokens=32, fused=True))
+        fp32 = _grads(head, h, y, lambda: head_loss_sum(head, h, y, chunk_tokens=32, fused=False))
+    assert fused[0].item() == pytest.approx(ref[0].item(), rel=1e-5)   # the loss is exact given the bf16 logits
+    assert fused[0].item() == pytest.approx(fp32[0].item(), rel=1e-5)
+    for a, b in zip(ref[1], fused[1]):
+        assert b.dtype == a.dtype == torch.float32
+        # bf16 gradients: one bf16 rounding of a chunk's partial sum vs of the whole sum
+        assert (a - b).abs().max() <= 2e-2 * a.abs().max()
+
+
+def test_fused_path_runs_the_head_once_recompute_twice():
+    """FLOPs of loss + backward: the fused path's equal the plain path's; recompute adds one head forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nbtrain.engine.losses import head_loss_sum
+
+    head, h, y = _head_case(False, n=128, hidden=32, vocab=512)
+    aten = torch.ops.aten
+
+    class MatmulFlops(TorchDispatchMode):   # torch's FlopCounterMode does not count the in-place addmm_
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (aten.mm.default, aten.addmm.default, aten.addmm_.default):
+                a, b = (args[0], args[1]) if func is aten.mm.default else (args[1], args[2])
+                self.total += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            return func(*args, **(kwargs or {}))
+
+    def flops(fn):
+        with MatmulFlops() as fc:
+            fn().backward()
+        return fc.total
+
+    plain = flops(lambda: F.cross_entropy(head(h), y, reduction="sum"))
+    fused = flops(lambda: head_loss_sum(head, h, y, chunk_tokens=32, fused=True))
+    recompute = flops(lambda: head_loss_sum(head, h, y, chunk_tokens=32, fused=False))
+    head_fwd = 2 * 128 * 32 * 512
+    assert plain == 3 * head_fwd
+    assert fused == plain
+    assert recompute == plain + head_fwd
+
+
+def test_unfusable_head_falls_back_to_recompute():
+    from nbtrain.engine.losses import fusable, head_loss_sum
+
+    head, h, y = _head_case(False)
+    wrapped = torch.nn.Sequential(head)   # any head that is not a plain nn.Linear
+    assert fusable(head) and not fusable(wrapped)
+    ref = _grads(head, h, y, lambda: F.cross_entropy(head(h), y, reduction="sum"))
+    got = _grads(head, h, y, lambda: head_loss_sum(wrapped, h, y, chunk_tokens=16))
+    assert got[0].item() == pytest.approx(ref[0].item(), rel=1e-5)
+    with pytest.raises(ChunkedLossError, match="nn.Linear"):
+        head_loss_sum(wrapped, h, y, fused=True)
+
+
+def test_frozen_head_makes_no_weight_gradient_and_no_grad_mode_makes_none():
+    from nbtrain.engine.losses import head_loss_sum
+
+    head, h, y = _head_case(False)
+    head.weight.requires_grad_(False)
+    ref = F.cross_entropy(head(h), y, reduction="sum")
+    ref.backward()
+    g_ref, h.grad = h.grad.clone(), None
+    loss = head_loss_sum(head, h, y, chunk_tokens=16)
+    loss.backward()
+    assert head.weight.grad is None
+    assert (h.grad - g_ref).abs().max() <= 1e-5 * g_ref.abs().max()
+    with torch.no_grad():
+        ev = head_loss_sum(head, h, y, chunk_tokens=16)
+    assert not ev.requires_grad and ev.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_chunked_eval_loss_equals_plain_eval_loss(monkeypatch):
+    """With chunked_loss on, the evaluation is chunked too (it must not need the full logits)."""
+    import nbtrain.engine.loop as loop
+
+    calls = {True: 0, False: 0}
+
+    def spy(*a, **kw):
+        calls[torch.is_grad_enabled()] += 1
+        return chunked_loss_sum(*a, **kw)
+
+    monkeypatch.setattr(loop, "chunked_loss_sum", spy)
+    cfg = nbt.TrainConfig(model="tiny", subset=64, max_seq_len=40, max_steps=2, precision="fp32",
+                          eval_fraction=0.25, eval_every=2, lr=1e-3)
+    plain = nbt.train(cfg)
+    assert calls == {True: 0, False: 0}
+    chunked = nbt.train(cfg.replace(chunked_loss=True, loss_chunk_tokens=50))
+    assert calls[True] == 2 and calls[False] > 0   # two training steps; the evaluation's batches
+    a, b = plain.eval_history.iloc[-1], chunked.eval_history.iloc[-1]
+    assert a["eval_tokens"] == b["eval_tokens"] > 0
+    assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-4)
+
+
+def test_compile_with_chunked_loss_compiles_the_decoder(monkeypatch):
+    """compile=True must reach the module that runs: with the chunked loss that is the decoder, not the model."""
+    compiled = []
+
+    class Compiled(torch.nn.Module):
+        def __init__(self, mod):
+            super().__init__()
+            self.mod, self.calls = mod, 0
+
+        def forward(self, *a, **kw):
+            self.calls += 1
+            return self.mod(*a, **kw)
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.mod, name)
+
+    def fake_compile(mod, *a, **kw):
+        compiled.append(Compiled(mod))
+        return compiled[-1]
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    cfg = nbt.TrainConfig(model="tiny", subset=48, max_seq_len=40, max_steps=3, precision="fp32",
+                          eval_fraction=0.0, compile=True)
+    r = nbt.train(cfg.replace(chunked_loss=True))
+    assert len(compiled) == 1 and type(compiled[0].mod).__name__ == "LlamaModel"
+    assert compiled[0].calls == 3
+    compiled.clear()
+    nbt.train(cfg)
+    assert len(compiled) == 1 and type(compiled[0].mod).__name__ == "LlamaForCausalLM"
+    assert compiled[0].calls == 3
+    assert r.summary["stopped_reason"] == "max_steps"
+
+
+@pytest.mark.slow
+def test_real_compile_with_chunked_loss_trains_like_eager():
+    """torch.compile (inductor, ~40 s to compile on 2 cores) of the decoder under the chunked loss."""
+    cfg = nbt.TrainConfig(model="tiny", subset=48, max_seq_len=40, max_steps=3, precision="fp32",
+                          eval_fraction=0.0, lr=1e-3, chunked_loss=True)
+    eager = nbt.train(cfg)
+    compiled = nbt.train(cfg.replace(compile=True))
+    for a, b in zip(eager.history.loss, compiled.history.loss):
+        assert b == pytest.approx(a, rel=1e-5)
+    # the first step pays for compilation; the later ones do not
+    assert compiled.history.step_time_s.iloc[0] > 5 * compiled.history.step_time_s.iloc[1:].max()

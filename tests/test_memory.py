@@ -315,3 +315,46 @@ def test_memory_module_imports_no_ui():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def big_vocab_model(tmp_path_factory):
+    """A small Qwen2 whose output layer dominates (vocab 32,000 x hidden 64, tied): the chunked loss's terms
+    are most of the step's memory, so the estimate of them is what this model tests."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from nbtrain.models.presets import preset_tokenizer
+
+    tok = preset_tokenizer("tiny")
+    path = tmp_path_factory.mktemp("bigvocab")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=32000, tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("method,precision,chunked,targets", [
+    ("full", "fp32", True, "all-linear"),     # fused: the weight's gradient made in the forward
+    ("full", "bf16", True, "all-linear"),     # fused, with the bf16 copies
+    ("lora", "bf16", True, "all-linear"),     # fused, frozen head: only the hidden states' gradient
+    ("lora", "fp32", True, ["q_proj", "v_proj", "lm_head"]),   # an adapter on the head: the recompute path
+    ("full", "fp32", False, "all-linear"),    # the plain loss, for scale: 5x the chunked peak here
+])
+def test_chunked_loss_peak_matches_a_traced_step(big_vocab_model, method, precision, chunked, targets):
+    cfg = _cfg(model=big_vocab_model, method=method, precision=precision, micro_batch_size=4, max_seq_len=128,
+               chunked_loss=chunked, loss_chunk_tokens=128, lora_targets=targets)
+    est = estimate_memory(cfg, device="cpu", device_total_gib=64)
+    model = _build(cfg, precision)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    _train_step(model, cfg, precision, opt)
+    before = list(model.parameters()) + list(model.buffers())
+    before += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    tracker = _LiveBytes({t.untyped_storage()._cdata for t in before})
+    with tracker:
+        _train_step(model, cfg, precision, opt)
+    measured = est.weights_bytes + est.optimizer_bytes + tracker.peak
+    assert est.tensors_peak_gib * 2**30 == pytest.approx(measured, rel=0.02), (est.peak_phase, measured)

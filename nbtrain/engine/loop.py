@@ -129,8 +129,12 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 @torch.no_grad()
 def evaluate(model, examples: list[dict], task: str, pad_token_id: int, batch_size: int,
-             spec, device: str) -> dict[str, float]:
-    """Mean loss per target token (and accuracy for classification) on ``examples``."""
+             spec, device: str, chunk_tokens: Optional[int] = None) -> dict[str, float]:
+    """Mean loss per target token (and accuracy for classification) on ``examples``.
+
+    ``chunk_tokens`` (causal LM): the loss chunk by chunk, as in training with ``chunked_loss``, so that an
+    evaluation never needs the full logits a chunked training run was set up to avoid.
+    """
     from ..data import iter_steps
 
     if not examples:
@@ -147,6 +151,12 @@ def evaluate(model, examples: list[dict], task: str, pad_token_id: int, batch_si
         for _ in range(n_batches):
             _, (mb,) = next(it)
             mb = mb.to(device)
+            if chunk_tokens and task == "causal-lm":
+                with autocast(spec, device):
+                    total_loss += chunked_loss_sum(model, mb.input_ids, mb.attention_mask, mb.labels,
+                                                   chunk_tokens).double()
+                total_targets += mb.n_targets
+                continue
             with autocast(spec, device):
                 logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             total_loss += loss_sum(logits, mb.labels, task).double()
@@ -202,14 +212,19 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             notes.append(note)
         fwd_model = wrap_ddp(model, dist_ctx) if dist_ctx else model
         chunked = cfg.chunked_loss and data.task == "causal-lm"
+        loss_parts = None
         if chunked:
             if dist_ctx:
                 raise ValueError("chunked_loss: not supported with several processes yet (DDP must see the "
                                  "whole forward); set chunked_loss=False")
-            split_for_chunked_loss(model)   # fail before step 1 if the model cannot use it
+            loss_parts = split_for_chunked_loss(model)   # fail before step 1 if the model cannot use it
         if cfg.compile:
-            # The first steps pay the compile time; step_time_s shows it.
-            fwd_model = torch.compile(fwd_model)
+            # The first steps pay the compile time; step_time_s shows it. The chunked loss calls the decoder
+            # directly (not the model's forward), so that is what gets compiled there.
+            if chunked:
+                loss_parts = (torch.compile(loss_parts[0]), loss_parts[1])
+            else:
+                fwd_model = torch.compile(fwd_model)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       fused=(device == "cuda"))
         spe = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
@@ -248,7 +263,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and rank == 0 else None
 
         def run_eval(step: int) -> None:
-            res = evaluate(model, data.eval, data.task, data.pad_token_id, eval_bs, spec, device)
+            res = evaluate(model, data.eval, data.task, data.pad_token_id, eval_bs, spec, device,
+                               cfg.loss_chunk_tokens if chunked else None)
             if res:
                 rec = EvalRecord(step=step, variant=variant, **res)
                 evals.append(rec)
@@ -301,7 +317,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                             if chunked:
                                 logits = None
                                 loss = chunked_loss_sum(fwd_model, mb.input_ids, mb.attention_mask, mb.labels,
-                                                        cfg.loss_chunk_tokens) / n_targets
+                                                        cfg.loss_chunk_tokens, parts=loss_parts) / n_targets
                             else:
                                 logits = fwd_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
                         if not chunked:

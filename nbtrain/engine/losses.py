@@ -1,13 +1,23 @@
-"""Causal-LM loss without the full logits: the output head applied chunk by chunk, each chunk recomputed in
-backward (activation checkpointing), so at most one chunk of ``tokens x vocab`` logits lives at a time.
+"""Causal-LM loss without the full logits: the output head applied chunk by chunk, so at most one chunk of
+``tokens x vocab`` logits lives at a time.
 
 For a 0.5B model with a 152k vocabulary at 8 x 1024 tokens the plain path holds the bf16 logits, their fp32 copy
 and its gradient (~14 GiB); this path holds one chunk. The maths is the same sum of per-token cross-entropies,
 accumulated in fp32. It applies to models whose logits are ``output_embeddings(final hidden state)`` — true of
 Llama, Qwen, Mistral, GPT-2 and most decoders; models that post-process logits (e.g. soft-capping) are refused.
+
+Two ways to do the chunks:
+
+- **fused** (a plain ``nn.Linear`` head, the usual case): each chunk's gradients (of the hidden states, the
+  weight and the bias) are computed in the forward, right after its loss, while its logits are still there; the
+  backward only multiplies them by the incoming scalar. The head's matmuls run once each, as in the plain path.
+- **recompute** (any other head, e.g. one with a LoRA adapter or quantized): each chunk under activation
+  checkpointing, so its logits are recomputed in backward: one more head forward per step.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +29,7 @@ class ChunkedLossError(ValueError):
 
 
 def _unwrap(model):
+    model = getattr(model, "_orig_mod", model)      # torch.compile's wrapper
     if hasattr(model, "get_base_model"):   # peft
         model = model.get_base_model()
     return model
@@ -41,22 +52,108 @@ def split_for_chunked_loss(model):
     return decoder, head
 
 
+def fusable(head) -> bool:
+    """Whether the fused path applies: a plain floating-point ``nn.Linear`` (no adapter, not quantized)."""
+    return (type(head) is torch.nn.Linear and head.weight.dtype.is_floating_point
+            and type(head.weight) in (torch.nn.Parameter, torch.Tensor))
+
+
+def _fused_chunks(h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, need_h: bool, need_w: bool,
+                  need_b: bool):
+    """(loss sum, d/dh, d/dW, d/db) of sum_i CE(h_i @ W.T + b, y_i), one chunk of rows at a time."""
+    # The matmuls in the compute dtype (autocast's, when it is on), the softmax and the loss in fp32: the
+    # plain path's rounding points (bf16 logits, then .float()).
+    with torch.autocast(h.device.type, enabled=False):
+        w = weight.to(cdtype)
+        b = bias.to(cdtype) if bias is not None else None
+        hc = h.to(cdtype)
+        total = torch.zeros((), device=h.device, dtype=torch.float32)
+        gh = torch.empty_like(h) if need_h else None
+        gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        gb = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        for s in range(0, y.numel(), chunk_tokens):
+            hs, ys = hc[s:s + chunk_tokens], y[s:s + chunk_tokens]
+            logits = F.linear(hs, w, b).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, ys[:, None]).squeeze(1)).sum()
+            if not (need_h or need_w or need_b):
+                continue
+            # d(sum CE)/d logits = softmax - onehot, built in place in the fp32 logits' storage
+            g = logits.sub_(lse[:, None]).exp_()
+            g[torch.arange(ys.numel(), device=g.device), ys] -= 1.0
+            if need_b:
+                gb += g.sum(0)
+            g = g.to(cdtype)
+            if need_h:
+                gh[s:s + chunk_tokens] = g @ w
+            if need_w:
+                if gw.dtype == g.dtype:
+                    gw.addmm_(g.t(), hs)
+                else:   # the chunk's bf16 weight gradient, summed in fp32
+                    gw += g.t() @ hs
+            del logits, g
+    return total, gh, gw, gb
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The fused path as an autograd node: gradients made in the forward, scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype):
+        total, gh, gw, gb = _fused_chunks(h, weight, bias, y, chunk_tokens, cdtype, *ctx.needs_input_grad[:3])
+        ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.save_for_backward(gh, gw, gb)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # The loss is a scalar, so the chain rule is one multiplication (by 1/n_targets, times any loss scale).
+        go = grad_out.float()
+        return (*(None if g is None else (g * go).to(dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes)),
+                None, None, None)
+
+
 def _chunk_ce(head: torch.nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = head(h)   # in the autocast dtype when autocast is on
     return F.cross_entropy(logits.float(), y, reduction="sum")
 
 
-def chunked_loss_sum(model, input_ids, attention_mask, labels, chunk_tokens: int = 4096) -> torch.Tensor:
-    """Sum of next-token cross-entropies (labels in HF convention, -100 ignored), computed chunk by chunk."""
-    decoder, head = split_for_chunked_loss(model)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    y = labels[:, 1:]
-    keep = y != -100
-    h = hidden[:, :-1][keep]   # only positions that count: padding costs no head FLOPs either
-    y = y[keep]
-    total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+def head_loss_sum(head, h: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 1024,
+                  fused: Optional[bool] = None) -> torch.Tensor:
+    """Sum of cross-entropies of ``head(h)`` against ``y`` (no -100 in ``y``), ``chunk_tokens`` rows at a time.
+
+    ``fused``: None picks the fused path when the head allows it (see the module docstring), True requires it.
+    """
+    can_fuse = fusable(head)
+    if fused and not can_fuse:
+        raise ChunkedLossError(f"chunked_loss: the fused path needs a plain nn.Linear head, got "
+                               f"{type(head).__name__}")
+    if fused is None:
+        fused = can_fuse
+    if fused:
+        dev = h.device.type
+        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
+        if not torch.is_grad_enabled():   # evaluation: no gradients to make
+            return _fused_chunks(h, head.weight, head.bias, y, chunk_tokens, cdtype, False, False, False)[0]
+        return _LinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk_tokens, cdtype)
+    total = torch.zeros((), device=h.device, dtype=torch.float32)
     for s in range(0, y.numel(), chunk_tokens):
         # Recomputed in backward: the chunk's logits are freed as soon as its loss is known.
         total = total + checkpoint(_chunk_ce, head, h[s:s + chunk_tokens], y[s:s + chunk_tokens],
                                    use_reentrant=False)
     return total
+
+
+def chunked_loss_sum(model, input_ids, attention_mask, labels, chunk_tokens: int = 1024, *,
+                     parts=None, fused: Optional[bool] = None) -> torch.Tensor:
+    """Sum of next-token cross-entropies (labels in HF convention, -100 ignored), computed chunk by chunk.
+
+    ``parts``: a (decoder, head) pair to use instead of ``split_for_chunked_loss(model)`` -- the loop passes
+    its compiled decoder this way.
+    """
+    decoder, head = parts if parts is not None else split_for_chunked_loss(model)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    y = labels[:, 1:]
+    keep = y != -100
+    h = hidden[:, :-1][keep]   # only positions that count: padding costs no head FLOPs either
+    return head_loss_sum(head, h, y[keep], chunk_tokens, fused)
