@@ -124,7 +124,7 @@ def test_fused_and_recompute_equal_plain_fp32(bias):
     head, h, y = _head_case(bias)
     ref = _grads(head, h, y, lambda: F.cross_entropy(head(h), y, reduction="sum"), scale=0.37)
     for fused in (True, False):
-        got = _grads(head, h, y, lambda: head_loss_sum(head, h, y, chunk_tokens=16, fused=fused), scale=0.37)
+        got = _grads(head, h, y, lambda f=fused: head_loss_sum(head, h, y, chunk_tokens=16, fused=f), scale=0.37)
         assert got[0].item() == pytest.approx(ref[0].item(), rel=1e-5)
         for a, b in zip(ref[1], got[1]):   # the incoming scale (1/n_targets x loss scale) reaches every gradient
             assert (a - b).abs().max() <= 1e-5 * a.abs().max()
