@@ -37,7 +37,11 @@ Parts (bytes):
   all N rows: the loop shifts the labels, not the logits) adds an fp32 copy (under autocast) and
   log_softmax's output, its backward the two fp32 gradients: 12*N*V at the peak
   (often the largest single term for small models with big vocabularies). With ``chunked_loss`` only
-  one chunk C = loss_chunk_tokens: 12*C*V, plus the selected fp32 hidden states and their gradient.
+  one chunk C = loss_chunk_tokens lives at a time. Fused (a plain linear head): the chunk's logits and their
+  gradient, 4*C*V in fp32 (6*C*V plus bf16 copies of the weight and hidden states under autocast), and the
+  gradients made in the forward (hidden states, and the weight when it trains), kept until backward scales
+  them (a second copy). Recompute (any other head): 12*C*V in the chunk's backward, plus the selected fp32
+  hidden states and their gradient.
 * overhead: on CUDA the context and libraries outside PyTorch's allocator (0.75 GiB, measured on an
   H200) plus the caching allocator's reserved-but-free blocks (14% of the tensor peak); on CPU 5%.
 
