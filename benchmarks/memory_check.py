@@ -75,9 +75,9 @@ def run_row(cfg, steps: int) -> dict:
     """Build ``cfg``'s model with nbtrain and train ``steps`` optimizer steps; the memory it took."""
     import torch
 
-    from nbtrain.engine.losses import chunked_loss_sum
-    from nbtrain.engine.loop import loss_sum
-    from nbtrain.engine.precision import PRECISION_TABLE, autocast, global_torch_state
+    from nbtrain.data.batching import MicroBatch
+    from nbtrain.engine.loop import micro_loss_sum
+    from nbtrain.engine.precision import PRECISION_TABLE, global_torch_state
     from nbtrain.models import build_model, load_tokenizer
 
     precision = cfg.resolved_precision()
@@ -99,17 +99,13 @@ def run_row(cfg, steps: int) -> dict:
         for _ in range(steps):
             for _ in range(cfg.grad_accum_steps):
                 ids = torch.randint(0, V, (B, T), device="cuda", generator=gen)
-                with autocast(spec, "cuda"):
-                    if cfg.chunked_loss:
-                        logits = None
-                        loss = chunked_loss_sum(model, ids, torch.ones_like(ids), ids,
-                                                cfg.loss_chunk_tokens) / (B * (T - 1))
-                    else:
-                        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-                if not cfg.chunked_loss:
-                    loss = loss_sum(logits, ids, "causal-lm") / (B * (T - 1))
+                mb = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
+                                n_targets=B * (T - 1), n_tokens=B * T)
+                # the loop's own forward and loss (what it keeps and frees is what is measured)
+                loss = micro_loss_sum(model, mb, "causal-lm", spec, "cuda",
+                                      cfg.loss_chunk_tokens if cfg.chunked_loss else None) / (B * (T - 1))
                 loss.backward()
-                del logits, loss
+                del loss
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -84,7 +84,7 @@ def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=No
             samples[name] = []
         for r in range(repeats):
             # Alternate the order (ABBA...) so whatever favours the first or second run cancels out.
-            pair = [("bare", lambda: bare_loop(cfg, steps)), ("nbtrain", lambda: nbtrain_loop(cfg))]
+            pair = [("bare", lambda c=cfg: bare_loop(c, steps)), ("nbtrain", lambda c=cfg: nbtrain_loop(c))]
             for name, fn in (pair if r % 2 == 0 else pair[::-1]):
                 samples[name].append(statistics.median(fn()[WARMUP:]))
             for name, make_cbs in (extra or {}).items():

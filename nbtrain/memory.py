@@ -33,8 +33,9 @@ Parts (bytes):
   q, k and v repeated to all heads, and the heads*T*T softmax. Rows are full length (no padding mask).
   With gradient checkpointing each layer keeps only its fp32 input (4h per token) and is recomputed,
   one at a time, in backward.
-* logits and loss: the logits N*V*s stay alive through backward (the loop holds them); the loss (over
-  all N rows: the loop shifts the labels, not the logits) adds an fp32 copy (under autocast) and
+* logits and loss: the logits N*V*s exist at the end of the forward (the loop keeps no reference to them
+  past the loss); the loss (over all N rows: the loop shifts the labels, not the logits) adds an fp32 copy
+  (under autocast) and
   log_softmax's output, its backward the two fp32 gradients: 12*N*V at the peak
   (often the largest single term for small models with big vocabularies). With ``chunked_loss`` only
   one chunk C = loss_chunk_tokens lives at a time. Fused (a plain linear head): the chunk's logits and their
@@ -704,7 +705,9 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     cache_only = sum(layer_cache) if ckpt else 0
     phases["forward"] = (G0 + acts + cache_only + logits + chunk_fwd,
                          "the chunked loss's forward (its gradients made there)" if fused else "the end of the forward")
-    phases["loss"] = (G0 + acts + logits + loss_bwd, "the loss backward (log_softmax)")
+    # nbtrain.engine.loop.micro_loss_sum keeps no reference to the logits: after the loss's forward only the
+    # autograd graph holds what backward needs (log_softmax's output, not the logits)
+    phases["loss"] = (G0 + acts + loss_bwd, "the loss backward (log_softmax)")
     # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
     gw = head_weight * ((s + 4) if ac else 4) if head_trainable else 0
     if fused:     # the saved gradients gone; the hidden states' gradient meets the index/slice backward
@@ -714,7 +717,7 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
         if head_trainable and n_tgt > C:   # ... and the sum is made out of place
             gw_phase += 4 * head_weight
     else:
-        gw_phase = G0 + acts + logits + grad_logits + (s + 4) * h * N + gw
+        gw_phase = G0 + acts + grad_logits + (s + 4) * h * N + gw
     phases["head"] = (gw_phase, "the output layer's backward")
     # decoder layers, last to first: their activations go, their gradients come
     remaining = acts - head_saved
@@ -729,7 +732,7 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
         else:
             transient = t_bwd
         transient += 4 * h * N         # the residual stream's gradient
-        here = G0 + remaining + logits + (0 if accum else g_so_far) + g_layer[k] + transient
+        here = G0 + remaining + (0 if accum else g_so_far) + g_layer[k] + transient
         if here > worst[0]:
             worst = (here, f"layer {k}'s backward" + (" (recomputed)" if ckpt else ""))
         remaining -= kept[k]
@@ -739,7 +742,7 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     emb_extra = 0
     if full and g_emb:
         emb_extra = 2 * g_emb if arch.tied else (g_emb if accum else 0)
-    phases["embedding"] = (G + logits + emb_extra, "the embedding's backward")
+    phases["embedding"] = (G + emb_extra, "the embedding's backward")
     phases["optimizer"] = (G, "the optimizer step")
     top, where = max(phases.values(), key=lambda v: v[0])
     head_part = max(chunk_fwd, loss_bwd) if fused else logits + loss_bwd

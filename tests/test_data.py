@@ -468,7 +468,9 @@ def test_topics_builtin_is_balanced_and_learnable(tok):
     first = collections.Counter(r["label"] for r in rows[:40])    # subsets are balanced too
     assert min(first.get(k, 0) for k in range(len(names))) >= 40 // len(names) - 1
     # a word-count naive Bayes, trained on 4/5 and tested on 1/5, beats chance by far
-    words = lambda t: re.findall(r"[a-z_]+", t.lower())
+    def words(t):
+        return re.findall(r"[a-z_]+", t.lower())
+
     train = [r for i, r in enumerate(rows) if i % 5]
     test = [r for i, r in enumerate(rows) if i % 5 == 0]
     bags = [collections.Counter() for _ in names]

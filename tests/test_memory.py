@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import time
@@ -11,8 +10,9 @@ import pytest
 import torch
 
 from nbtrain.config import TrainConfig
-from nbtrain.engine.losses import chunked_loss_sum
-from nbtrain.engine.loop import loss_sum
+from nbtrain.data.batching import MicroBatch
+from nbtrain.engine.loop import micro_loss_sum
+from nbtrain.engine.precision import PRECISION_TABLE
 from nbtrain.hardware import capabilities
 from nbtrain.memory import Advice, MemoryEstimate, estimate_memory, format_estimate
 from nbtrain.models import build_model, count_params, load_tokenizer
@@ -46,25 +46,18 @@ def _quant_state_tensors(model) -> list[torch.Tensor]:
 
 
 def _train_step(model, cfg: TrainConfig, precision: str, opt, steps: int = 1) -> None:
-    """One optimizer step the way nbtrain's loop does it (autocast forward, fp32 loss, AdamW)."""
+    """One optimizer step the way nbtrain's loop does it (its forward and loss function, then AdamW)."""
     V = model.config.vocab_size
     params = [p for p in model.parameters() if p.requires_grad]
     for _ in range(steps):
         for _ in range(cfg.grad_accum_steps):
             ids = torch.randint(4, V, (cfg.micro_batch_size, cfg.max_seq_len))
-            ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
-                   else contextlib.nullcontext())
-            with ctx:
-                if cfg.chunked_loss:
-                    logits = None
-                    loss = chunked_loss_sum(model, ids, torch.ones_like(ids), ids, cfg.loss_chunk_tokens)
-                else:
-                    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-            if not cfg.chunked_loss:
-                loss = loss_sum(logits, ids, "causal-lm")
-            loss = loss / ids.numel()
+            mb = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
+                            n_targets=ids.shape[0] * (ids.shape[1] - 1), n_tokens=ids.numel())
+            loss = micro_loss_sum(model, mb, "causal-lm", PRECISION_TABLE[precision], "cpu",
+                                  cfg.loss_chunk_tokens if cfg.chunked_loss else None) / ids.numel()
             loss.backward()
-            del logits, loss
+            del loss
         if opt is not None:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()

@@ -15,7 +15,7 @@ from .helpers import Collect
 
 ipywidgets = pytest.importorskip("ipywidgets")
 
-from nbtrain.ui.panel import SECTIONS, Panel, fmt_gib
+from nbtrain.ui.panel import SECTIONS, Panel, fmt_gib  # noqa: E402 (after the importorskip)
 
 SMALL = {"model": "tiny", "data": "builtin:python-docs", "subset": 48, "max_seq_len": 32, "micro_batch_size": 4,
          "eval_fraction": 0.0, "precision": "fp32", "lr": 1e-3}

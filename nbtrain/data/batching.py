@@ -45,6 +45,12 @@ class MicroBatch:
             labels=self.labels.to(device, non_blocking=non_blocking),
             n_targets=self.n_targets, n_tokens=self.n_tokens, indices=self.indices)
 
+    def pin_memory(self) -> MicroBatch:
+        """A copy in pinned (page-locked) host memory, so a ``to(cuda, non_blocking=True)`` does not wait."""
+        return MicroBatch(input_ids=self.input_ids.pin_memory(), attention_mask=self.attention_mask.pin_memory(),
+                          labels=self.labels.pin_memory(), n_targets=self.n_targets, n_tokens=self.n_tokens,
+                          indices=self.indices)
+
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` and ``labels`` as keyword arguments for a HF model."""
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels}

@@ -89,6 +89,29 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Ten
     return F.cross_entropy(logits.float(), labels, reduction="sum")
 
 
+def model_mask(mb) -> Optional[torch.Tensor]:
+    """The attention mask to give the model: None for a batch without padding. transformers reads an all-ones
+    mask back to the host to pick SDPA's causal kernel (a device sync inside the forward; under torch.compile it
+    keeps the explicit mask, which rules out the flash kernel); None means the same causal attention."""
+    return None if mb.n_tokens == mb.input_ids.numel() else mb.attention_mask
+
+
+def micro_loss_sum(model, mb, task: str, spec, device: str, chunk_tokens: Optional[int] = None,
+                   parts=None) -> torch.Tensor:
+    """Sum of one micro-batch's per-target losses in fp32: the forward under autocast, no host read inside.
+
+    ``chunk_tokens`` (causal LM): the chunked loss, with ``parts`` its (decoder, head). The logits are not kept
+    past the loss: backward needs only what the autograd graph holds.
+    """
+    mask = model_mask(mb)
+    with autocast(spec, device):
+        if chunk_tokens and task == "causal-lm":
+            return chunked_loss_sum(model, mb.input_ids, mask, mb.labels, chunk_tokens, parts=parts,
+                                    n_targets=mb.n_targets)
+        logits = model(input_ids=mb.input_ids, attention_mask=mask).logits
+    return loss_sum(logits, mb.labels, task)
+
+
 def make_scheduler(optimizer, name: str, warmup: int, total: int):
     """Linear warm-up, then constant, linear or cosine decay to zero at ``total`` real steps."""
     def factor(done: int) -> float:
@@ -152,13 +175,11 @@ def evaluate(model, examples: list[dict], task: str, pad_token_id: int, batch_si
             _, (mb,) = next(it)
             mb = mb.to(device)
             if chunk_tokens and task == "causal-lm":
-                with autocast(spec, device):
-                    total_loss += chunked_loss_sum(model, mb.input_ids, mb.attention_mask, mb.labels,
-                                                   chunk_tokens).double()
+                total_loss += micro_loss_sum(model, mb, task, spec, device, chunk_tokens).double()
                 total_targets += mb.n_targets
                 continue
             with autocast(spec, device):
-                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                logits = model(input_ids=mb.input_ids, attention_mask=model_mask(mb)).logits
             total_loss += loss_sum(logits, mb.labels, task).double()
             total_targets += mb.n_targets
             if task != "causal-lm":
@@ -309,26 +330,20 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 data_hash = hashlib.blake2b(data_hash + step_ids, digest_size=8).digest()
                 local = micro if world == 1 else [shard(mb, data, rank, world) for mb in micro]
                 for i, mb in enumerate(local):
-                    mb = mb.to(device, non_blocking=True)
+                    # Pinned host memory: the copy is queued without waiting for the GPU (a pageable one waits).
+                    mb = (mb.pin_memory() if device == "cuda" else mb).to(device, non_blocking=True)
                     # DDP: all-reduce gradients only on the step's last micro-batch.
                     sync = world == 1 or i == len(local) - 1
                     with contextlib.nullcontext() if sync else fwd_model.no_sync():
-                        with autocast(spec, device):
-                            if chunked:
-                                logits = None
-                                loss = chunked_loss_sum(fwd_model, mb.input_ids, mb.attention_mask, mb.labels,
-                                                        cfg.loss_chunk_tokens, parts=loss_parts) / n_targets
-                            else:
-                                logits = fwd_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                        if not chunked:
-                            loss = loss_sum(logits, mb.labels, data.task) / n_targets
+                        loss = micro_loss_sum(fwd_model, mb, data.task, spec, device,
+                                              cfg.loss_chunk_tokens if chunked else None, loss_parts) / n_targets
                         if mb.n_targets == 0:
                             loss = loss * 0.0   # a rank left without rows in a short batch still joins the all-reduce
                         # DDP averages gradients over ranks; x world makes that the global sum. scale() is the
                         # identity when the scaler is disabled.
                         scaler.scale(loss * world if world > 1 else loss).backward()
                     loss_acc += loss.detach()
-                    del logits, loss
+                    del loss
                 # Last micro-batch done: bring gradients back to their true scale before measuring them.
                 scaler.unscale_(optimizer)
                 if step == 1:   # one cheap sample (before clipping) for the doctor's fp16-underflow check
@@ -466,15 +481,14 @@ def _auto_batch_size(cfg: TrainConfig, model, params, data, spec, device) -> tup
     for m in [d for d in range(eff, 0, -1) if eff % d == 0]:
         rows = [data.train[longest[i % len(longest)]] for i in range(m)]
         mb = collate(rows, data.pad_token_id, data.task).to(device)
-        try:
-            with autocast(spec, device):
-                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            loss_sum(logits, mb.labels, data.task).backward()
+        try:   # the same forward and loss as the run's (chunked or not)
+            micro_loss_sum(model, mb, data.task, spec, device,
+                           cfg.loss_chunk_tokens if cfg.chunked_loss and data.task == "causal-lm" else None
+                           ).backward()
             chosen = m
         except (torch.OutOfMemoryError, MemoryError):
             tried.append(m)
         finally:
-            logits = None
             for p in params:
                 p.grad = None
             if device == "cuda":

@@ -145,15 +145,19 @@ def head_loss_sum(head, h: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 10
 
 
 def chunked_loss_sum(model, input_ids, attention_mask, labels, chunk_tokens: int = 1024, *,
-                     parts=None, fused: Optional[bool] = None) -> torch.Tensor:
+                     parts=None, fused: Optional[bool] = None, n_targets: Optional[int] = None) -> torch.Tensor:
     """Sum of next-token cross-entropies (labels in HF convention, -100 ignored), computed chunk by chunk.
 
     ``parts``: a (decoder, head) pair to use instead of ``split_for_chunked_loss(model)`` -- the loop passes
-    its compiled decoder this way.
+    its compiled decoder this way. ``n_targets``: the number of labels that count, when the caller knows it on
+    the host; when it is every position, no device-side selection (a host sync) is needed.
     """
     decoder, head = parts if parts is not None else split_for_chunked_loss(model)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     y = labels[:, 1:]
+    if n_targets is not None and n_targets == y.numel():
+        return head_loss_sum(head, hidden[:, :-1].reshape(-1, hidden.shape[-1]), y.reshape(-1), chunk_tokens,
+                             fused)
     keep = y != -100
     h = hidden[:, :-1][keep]   # only positions that count: padding costs no head FLOPs either
     return head_loss_sum(head, h, y[keep], chunk_tokens, fused)
