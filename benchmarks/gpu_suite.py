@@ -386,11 +386,13 @@ def run_bare(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> dict:
     win.train_start()
     for step in range(1, win.total + 1):
         _, (mb,) = next(batches)
-        mb = mb.to(device, non_blocking=True)
+        # pinned, as nbtrain does on CUDA: a pageable host-to-device copy would wait for the GPU
+        mb = (mb.pin_memory() if device == "cuda" else mb).to(device, non_blocking=True)
         with torch.autocast(**amp):
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
                                ignore_index=-100)
+        del logits   # as nbtrain: the logits are not held through backward
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -399,7 +401,7 @@ def run_bare(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
         last = loss.detach()
-        del logits, loss
+        del loss
         if row.host_sync:
             last.item(), norm.item()
         win.step_end(step)

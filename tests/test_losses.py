@@ -278,3 +278,57 @@ def test_real_compile_with_chunked_loss_trains_like_eager():
         assert b == pytest.approx(a, rel=1e-5)
     # the first step pays for compilation; the later ones do not
     assert compiled.history.step_time_s.iloc[0] > 5 * compiled.history.step_time_s.iloc[1:].max()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# No host read inside a step: nothing in the forward, loss or backward reads a device value back
+# ---------------------------------------------------------------------------------------------------------------
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records ops that read tensor data back to the host (.item(), bool(), data-dependent output shapes).
+    On a GPU each of these is a device synchronisation."""
+
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select", "aten.item")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in self.READS or (name == "aten.index" and any(
+                isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in torch.utils._pytree.tree_flatten(args)[0])):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_loss_adds_no_host_read_to_the_models_own(chunked):
+    """On a GPU a host read is a device sync. The loss and its backward add none to what the model's forward
+    does itself (transformers' eager mask logic reads the mask once)."""
+    from nbtrain.data.batching import MicroBatch
+    from nbtrain.engine.loop import micro_loss_sum
+    from nbtrain.engine.precision import PRECISION_TABLE
+
+    cfg = nbt.TrainConfig(precision="fp32")
+    tok = load_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, tok, None, "fp32", "cpu")
+    ids = torch.randint(4, 2000, (2, 24))
+    mb = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, n_targets=2 * 23, n_tokens=48)
+    spec = PRECISION_TABLE["fp32"]
+    chunk = 16 if chunked else None
+    with _HostReads() as model_only:
+        model(input_ids=ids, attention_mask=mb.attention_mask)
+    with _HostReads() as step:
+        (micro_loss_sum(model, mb, "causal-lm", spec, "cpu", chunk) / mb.n_targets).backward()
+    assert step.seen == model_only.seen
+    if chunked:   # the control: without the host-known target count the chunked loss selects on the device
+        with _HostReads() as selecting:
+            chunked_loss_sum(model, ids, mb.attention_mask, ids, 16).backward()
+        assert len(selecting.seen) > len(model_only.seen)
+    # a padded batch: the targets are selected (a read, by need) and the loss is the plain one
+    padded = MicroBatch(input_ids=ids, attention_mask=torch.cat([torch.ones(2, 20), torch.zeros(2, 4)], 1).long(),
+                        labels=torch.cat([ids[:, :20], torch.full((2, 4), -100)], 1), n_targets=2 * 19, n_tokens=40)
+    loss = micro_loss_sum(model, padded, "causal-lm", spec, "cpu", chunk)
+    ref = loss_sum(model(input_ids=ids, attention_mask=padded.attention_mask).logits, padded.labels, "causal-lm")
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)

@@ -89,21 +89,15 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Ten
     return F.cross_entropy(logits.float(), labels, reduction="sum")
 
 
-def model_mask(mb) -> Optional[torch.Tensor]:
-    """The attention mask to give the model: None for a batch without padding. transformers reads an all-ones
-    mask back to the host to pick SDPA's causal kernel (a device sync inside the forward; under torch.compile it
-    keeps the explicit mask, which rules out the flash kernel); None means the same causal attention."""
-    return None if mb.n_tokens == mb.input_ids.numel() else mb.attention_mask
-
-
 def micro_loss_sum(model, mb, task: str, spec, device: str, chunk_tokens: Optional[int] = None,
                    parts=None) -> torch.Tensor:
-    """Sum of one micro-batch's per-target losses in fp32: the forward under autocast, no host read inside.
+    """Sum of one micro-batch's per-target losses in fp32, the forward under autocast.
 
-    ``chunk_tokens`` (causal LM): the chunked loss, with ``parts`` its (decoder, head). The logits are not kept
-    past the loss: backward needs only what the autograd graph holds.
+    Nothing here reads a device value back (the model's own mask logic may: transformers checks the mask on
+    the host in eager mode). ``chunk_tokens`` (causal LM): the chunked loss, with ``parts`` its (decoder, head).
+    The logits are not kept past the loss: backward needs only what the autograd graph holds.
     """
-    mask = model_mask(mb)
+    mask = mb.attention_mask
     with autocast(spec, device):
         if chunk_tokens and task == "causal-lm":
             return chunked_loss_sum(model, mb.input_ids, mask, mb.labels, chunk_tokens, parts=parts,
@@ -179,7 +173,7 @@ def evaluate(model, examples: list[dict], task: str, pad_token_id: int, batch_si
                 total_targets += mb.n_targets
                 continue
             with autocast(spec, device):
-                logits = model(input_ids=mb.input_ids, attention_mask=model_mask(mb)).logits
+                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             total_loss += loss_sum(logits, mb.labels, task).double()
             total_targets += mb.n_targets
             if task != "causal-lm":
