@@ -231,40 +231,41 @@ def test_chunked_eval_loss_equals_plain_eval_loss(monkeypatch):
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-4)
 
 
-def test_compile_with_chunked_loss_compiles_the_decoder(monkeypatch):
-    """compile=True must reach the module that runs: with the chunked loss that is the decoder, not the model."""
-    compiled = []
+def test_compile_blocks_one_graph_for_every_layer_and_causal_sdpa():
+    """compile=True compiles each decoder layer in place: one graph serves all of them, parameter names are
+    unchanged, the mask logic stays eager so SDPA gets is_causal (flash on a GPU) instead of an explicit mask,
+    and the numbers equal the eager model's."""
+    from nbtrain.engine.loop import compile_blocks, uncompile
 
-    class Compiled(torch.nn.Module):
-        def __init__(self, mod):
-            super().__init__()
-            self.mod, self.calls = mod, 0
+    tok = load_tokenizer(nbt.TrainConfig())
+    torch.manual_seed(0)
+    model = build_model(nbt.TrainConfig(precision="fp32"), tok, None, "fp32", "cpu")
+    ids = torch.randint(4, 2000, (2, 24))
+    keys = list(model.state_dict())
+    eager = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
 
-        def forward(self, *a, **kw):
-            self.calls += 1
-            return self.mod(*a, **kw)
+    graphs = []
 
-        def __getattr__(self, name):
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(self.mod, name)
+    def backend(gm, example_inputs):   # counts the graphs dynamo hands over; runs them as they are
+        graphs.append(gm)
+        return gm.forward
 
-    def fake_compile(mod, *a, **kw):
-        compiled.append(Compiled(mod))
-        return compiled[-1]
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    cfg = nbt.TrainConfig(model="tiny", subset=48, max_seq_len=40, max_steps=3, precision="fp32",
-                          eval_fraction=0.0, compile=True)
-    r = nbt.train(cfg.replace(chunked_loss=True))
-    assert len(compiled) == 1 and type(compiled[0].mod).__name__ == "LlamaModel"
-    assert compiled[0].calls == 3
-    compiled.clear()
-    nbt.train(cfg)
-    assert len(compiled) == 1 and type(compiled[0].mod).__name__ == "LlamaForCausalLM"
-    assert compiled[0].calls == 3
-    assert r.summary["stopped_reason"] == "max_steps"
+    torch._dynamo.reset()
+    blocks = compile_blocks(model, backend=backend)
+    assert len(blocks) == model.config.num_hidden_layers
+    assert type(blocks[0]).__name__ == "LlamaDecoderLayer"
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert len(graphs) == 1                          # traced once, reused by every layer
+    sdpa = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+    assert len(sdpa) == 1
+    args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), sdpa[0].args))
+    args.update(sdpa[0].kwargs)
+    assert args.get("attn_mask") is None and args.get("is_causal") is True   # no explicit mask: is_causal
+    assert torch.allclose(out, eager, atol=1e-5, rtol=1e-5)
+    assert list(model.state_dict()) == keys
+    uncompile(blocks)
+    assert all(b._compiled_call_impl is None for b in blocks)
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow
@@ -278,6 +279,13 @@ def test_real_compile_with_chunked_loss_trains_like_eager():
         assert b == pytest.approx(a, rel=1e-5)
     # the first step pays for compilation; the later ones do not
     assert compiled.history.step_time_s.iloc[0] > 5 * compiled.history.step_time_s.iloc[1:].max()
+    # the model handed back runs eagerly again, under its own parameter names
+    layers = compiled.model.model.layers
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in layers)
+    assert list(compiled.model.state_dict()) == list(eager.model.state_dict())
+    plain = nbt.train(cfg.replace(compile=True, chunked_loss=False))   # the plain loss path, compiled too
+    for a, b in zip(eager.history.loss, plain.history.loss):
+        assert b == pytest.approx(a, rel=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -106,6 +106,35 @@ def micro_loss_sum(model, mb, task: str, spec, device: str, chunk_tokens: Option
     return loss_sum(logits, mb.labels, task)
 
 
+def compile_blocks(model, **compile_kwargs) -> list[torch.nn.Module]:
+    """torch.compile, in place, each block of the model's largest stack of identical blocks (its decoder or
+    encoder layers); the whole model when it has no such stack. Returns what was compiled, for ``uncompile``.
+
+    Per block rather than the whole model: one compiled graph serves every layer (compile time does not grow
+    with depth), parameter names and saving are unchanged, the chunked loss (which calls the decoder, not the
+    model's forward) and DDP run the same compiled layers, and transformers' mask logic stays eager, so an
+    unpadded batch still reaches SDPA as ``is_causal`` (flash) -- traced, it would build an explicit mask.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    best, best_n = None, 0
+    for mod in base.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(m) for m in mod}) == 1:
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_n:
+                best, best_n = mod, n
+    blocks = list(best) if best is not None else [model]
+    for block in blocks:
+        block.compile(**compile_kwargs)
+    return blocks
+
+
+def uncompile(blocks: list[torch.nn.Module]) -> None:
+    """Undo ``compile_blocks``: the model a run returns runs eagerly (generation would recompile per shape)."""
+    for block in blocks:
+        if hasattr(block, "_compiled_call_impl"):
+            block._compiled_call_impl = None
+
+
 def make_scheduler(optimizer, name: str, warmup: int, total: int):
     """Linear warm-up, then constant, linear or cosine decay to zero at ``total`` real steps."""
     def factor(done: int) -> float:
@@ -233,13 +262,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 raise ValueError("chunked_loss: not supported with several processes yet (DDP must see the "
                                  "whole forward); set chunked_loss=False")
             loss_parts = split_for_chunked_loss(model)   # fail before step 1 if the model cannot use it
-        if cfg.compile:
-            # The first steps pay the compile time; step_time_s shows it. The chunked loss calls the decoder
-            # directly (not the model's forward), so that is what gets compiled there.
-            if chunked:
-                loss_parts = (torch.compile(loss_parts[0]), loss_parts[1])
-            else:
-                fwd_model = torch.compile(fwd_model)
+        # The first steps pay the compile time; step_time_s shows it.
+        compiled = compile_blocks(model) if cfg.compile else []
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       fused=(device == "cuda"))
         spe = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
@@ -407,8 +431,10 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             stopped_reason = "out_of_memory"
             notes.append(f"out of memory at step {step}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            # Whatever ended the run, leave the model usable: no half-accumulated gradients, no cached blocks.
+            # Whatever ended the run, leave the model usable: no half-accumulated gradients, no cached blocks,
+            # no compiled layers.
             optimizer.zero_grad(set_to_none=True)
+            uncompile(compiled)
             if stopped_reason == "out_of_memory":
                 import gc
 
