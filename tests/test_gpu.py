@@ -97,3 +97,58 @@ def test_chunked_loss_cuts_peak_memory_on_cuda():
     for a, b in zip(plain.history.loss, chunked.history.loss):
         assert b == pytest.approx(a, rel=2e-2)
     assert chunked.summary["peak_vram_gib"] < plain.summary["peak_vram_gib"]
+
+
+def test_fused_loss_and_pinned_copy_do_not_sync_the_device():
+    """The chunked (fused) loss, its backward and a pinned host-to-device batch copy queue work without a
+    device synchronisation (torch raises on one under sync debug mode "error")."""
+    from nbtrain.data.batching import MicroBatch
+    from nbtrain.engine.losses import head_loss_sum
+
+    head = torch.nn.Linear(256, 32000, bias=False, device="cuda")
+    h = torch.randn(2048, 256, device="cuda", requires_grad=True)
+    y = torch.randint(0, 32000, (2048,), device="cuda")
+    ids = torch.randint(0, 32000, (8, 256))
+    mb = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, n_targets=8 * 255,
+                    n_tokens=8 * 256).pin_memory()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = head_loss_sum(head, h, y, chunk_tokens=512, fused=True)
+        (loss / y.numel()).backward()
+        mb.to("cuda", non_blocking=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).item() and h.grad is not None and head.weight.grad is not None
+
+
+def test_compiled_layers_keep_the_eager_attention_kernel():
+    """compile=True compiles the layers, not the mask logic: SDPA runs the same kernel (flash/cuDNN with
+    is_causal) as in eager mode, not the explicit-mask one a whole-model compile would trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nbtrain.engine.loop import compile_blocks, uncompile
+    from nbtrain.models import build_model, load_tokenizer
+
+    cfg = nbt.TrainConfig(precision="bf16")
+    tok = load_tokenizer(cfg)
+    model = build_model(cfg, tok, None, "bf16", "cuda")
+    ids = torch.randint(4, 2000, (4, 256), device="cuda")
+
+    def sdpa_ops():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))   # warm (and compile)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        # the backend op SDPA dispatched to (flash / cuDNN / efficient / math), eager or called by inductor
+        return {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product_")}
+
+    eager = sdpa_ops()
+    blocks = compile_blocks(model)
+    try:
+        compiled = sdpa_ops()
+    finally:
+        uncompile(blocks)
+    assert eager and not any("efficient" in k or "math" in k for k in eager)
+    assert compiled == eager
