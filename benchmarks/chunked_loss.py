@@ -9,7 +9,9 @@ all three, interleaved repeats (A B C, C B A, ...), the device synchronised at t
 - recompute: ``head_loss_sum(..., fused=False)`` -- chunks under activation checkpointing (one more head
   forward in backward);
 - fused: ``head_loss_sum(..., fused=True)`` -- the chunk's gradients made in the forward, the head's matmuls
-  once each (nbtrain's default for a plain ``nn.Linear`` head).
+  once each (nbtrain's default for a plain ``nn.Linear`` head);
+- fused_compiled (bf16 only): the same with the chunk's softmax gradient through torch.compile (what
+  ``compile=True`` uses); its compilation happens in the warm-up.
 
 Peak memory: on CUDA ``max_memory_allocated`` above what was allocated before the variant ran; on the CPU the
 peak of live tensor storages traced per op (a separate, untimed pass).
@@ -37,13 +39,13 @@ from nbtrain.hardware import capabilities  # noqa: E402
 
 SHAPES = {"cuda": dict(tokens=8 * 1023, hidden=896, vocab=151936, chunk=1024),
           "cpu": dict(tokens=1024, hidden=128, vocab=32000, chunk=256)}
-VARIANTS = ("plain", "recompute", "fused")
+VARIANTS = ("plain", "recompute", "fused", "fused_compiled")
 
 
 def _loss(variant: str, head, h, y, chunk: int):
     if variant == "plain":
         return F.cross_entropy(head(h).float(), y, reduction="sum")
-    return head_loss_sum(head, h, y, chunk, fused=variant == "fused")
+    return head_loss_sum(head, h, y, chunk, fused=variant != "recompute", compiled=variant == "fused_compiled")
 
 
 def _step(variant, head, h, y, chunk, amp) -> torch.Tensor:
@@ -98,13 +100,14 @@ def run(device: str, precision: str, shape: dict, repeats: int, warmup: int = 2)
     h = torch.randn(n, hid, device=device, requires_grad=True)
     y = torch.randint(0, vocab, (n,), device=device)
     amp = dict(device_type=device, dtype=torch.bfloat16, enabled=precision == "bf16")
-    times = {v: [] for v in VARIANTS}
+    variants = VARIANTS if precision == "bf16" else VARIANTS[:3]   # fp32 has no compiled chunk path
+    times = {v: [] for v in variants}
     losses, grads, peaks = {}, {}, {}
-    for v in VARIANTS:
+    for v in variants:
         for _ in range(warmup):
             _step(v, head, h, y, chunk, amp)
     for rep in range(repeats):
-        for v in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
+        for v in (variants if rep % 2 == 0 else variants[::-1]):
             _sync(device)
             t0 = time.perf_counter()
             loss = _step(v, head, h, y, chunk, amp)
@@ -112,7 +115,7 @@ def run(device: str, precision: str, shape: dict, repeats: int, warmup: int = 2)
             times[v].append(time.perf_counter() - t0)
             losses[v] = loss.item()
             grads[v] = (h.grad.clone(), head.weight.grad.clone())
-    for v in VARIANTS:
+    for v in variants:
         if device == "cuda":
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
@@ -121,19 +124,26 @@ def run(device: str, precision: str, shape: dict, repeats: int, warmup: int = 2)
             _sync(device)
             peaks[v] = torch.cuda.max_memory_allocated() - base
         else:
-            peaks[v] = _cpu_peak(v, head, h, y, chunk, amp)
+            # a compiled function's buffers are not seen op by op (under a dispatch mode it does not even run
+            # its fused kernels): no CPU peak for it
+            peaks[v] = None if v == "fused_compiled" else _cpu_peak(v, head, h, y, chunk, amp)
     rows = []
-    for v in VARIANTS:
+    for v in variants:
         t = statistics.median(times[v])
         gh, gw = grads[v]
         rh, rw = grads["plain"]
         rows.append({"variant": v, "time_ms": round(1e3 * t, 3), "tokens_per_s": round(n / t, 1),
                      "speed_vs_plain": round(statistics.median(times["plain"]) / t, 4),
-                     "peak_gib": round(peaks[v] / 2**30, 4), "peak_vs_plain": round(peaks[v] / peaks["plain"], 4),
+                     "peak_gib": None if peaks[v] is None else round(peaks[v] / 2**30, 4),
+                     "peak_vs_plain": None if peaks[v] is None else round(peaks[v] / peaks["plain"], 4),
                      "loss_rel_diff": abs(losses[v] - losses["plain"]) / abs(losses["plain"]),
                      "grad_h_rel_diff": float((gh - rh).abs().max() / rh.abs().max()),
                      "grad_w_rel_diff": float((gw - rw).abs().max() / rw.abs().max())})
     return {"precision": precision, "rows": rows}
+
+
+def _f(x, fmt: str, suffix: str = "") -> str:
+    return "n/a" if x is None else format(x, fmt) + suffix
 
 
 def markdown(res: dict) -> str:
@@ -147,7 +157,7 @@ def markdown(res: dict) -> str:
     for p in res["precisions"]:
         for r in p["rows"]:
             out.append(f"| {p['precision']} | {r['variant']} | {r['time_ms']:.1f} | {r['speed_vs_plain']:.2f}x "
-                       f"| {r['peak_gib']:.3f} | {r['peak_vs_plain']:.2f}x | {r['loss_rel_diff']:.1e} "
+                       f"| {_f(r['peak_gib'], '.3f')} | {_f(r['peak_vs_plain'], '.2f', 'x')} | {r['loss_rel_diff']:.1e} "
                        f"| {r['grad_h_rel_diff']:.1e}, {r['grad_w_rel_diff']:.1e} |")
     return "\n".join(out) + "\n"
 

@@ -633,9 +633,10 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
         head_saved += (4 * h + 8) * n_tgt             # the selected fp32 hidden states and their targets
         keep = 4 * h * n_tgt + (4 * head_weight if head_trainable else 0)
         if ac:   # bf16 copies of the weight and the hidden states; a chunk's bf16 logits + fp32 copy, then its
-            # bf16 gradient beside the fp32 one, and the chunk's bf16 weight gradient before it is summed
+            # bf16 gradient beside the fp32 one; later the bf16 gradient alone beside the chunk's bf16 weight
+            # gradient before it is summed
             copies = 2 * head_weight + 2 * h * n_tgt
-            chunk = 6 * C * arch.vocab + (2 * head_weight if head_trainable else 0)
+            chunk = max(6 * C * arch.vocab, 2 * C * arch.vocab + (2 * head_weight if head_trainable else 0))
         else:    # fp32: the logits are made, turned into their gradient in place, and summed in place
             copies, chunk = 0, 4 * C * arch.vocab
         chunk_fwd = copies + keep + chunk

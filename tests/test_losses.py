@@ -340,3 +340,55 @@ def test_loss_adds_no_host_read_to_the_models_own(chunked):
     loss = micro_loss_sum(model, padded, "causal-lm", spec, "cpu", chunk)
     ref = loss_sum(model(input_ids=ids, attention_mask=padded.attention_mask).logits, padded.labels, "causal-lm")
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_compilable_chunk_gradient_equals_the_eager_one():
+    """The out-of-place chunk function torch.compile fuses gives the eager in-place path's loss and gradient."""
+    from nbtrain.engine.losses import _ce_and_grad, _eager_ce_and_grad
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(40, 500, generator=g) * 3).bfloat16()
+    ys = torch.randint(0, 500, (40,), generator=g)
+    loss_a, grad_a = _ce_and_grad(logits, ys)
+    loss_b, grad_b = _eager_ce_and_grad(logits.float(), ys, torch.bfloat16, True, None)
+    assert grad_a.dtype == grad_b.dtype == torch.bfloat16
+    assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-6)
+    assert (grad_a.float() - grad_b.float()).abs().max() <= 1e-2 * grad_b.float().abs().max()
+
+
+def test_compile_option_reaches_the_chunked_loss(monkeypatch):
+    """With compile=True (bf16, chunked loss) the loop uses the compiled chunk gradient; without it, not."""
+    import nbtrain.engine.loop as loop
+    import nbtrain.engine.losses as losses
+
+    calls = []
+
+    def counting():
+        def fn(logits, ys):
+            calls.append(logits.dtype)
+            return losses._ce_and_grad(logits, ys)
+        return fn
+
+    monkeypatch.setattr(losses, "_compiled_ce", counting)
+    monkeypatch.setattr(loop, "compile_blocks", lambda model: [])   # the layers' compilation is tested above
+    cfg = nbt.TrainConfig(model="tiny", subset=48, max_seq_len=40, max_steps=2, precision="bf16",
+                          eval_fraction=0.0, chunked_loss=True, loss_chunk_tokens=64)
+    plain = nbt.train(cfg)
+    assert calls == []
+    fast = nbt.train(cfg.replace(compile=True))
+    assert calls and set(calls) == {torch.bfloat16}
+    for a, b in zip(plain.history.loss, fast.history.loss):
+        assert b == pytest.approx(a, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_real_compiled_chunk_gradient_matches_eager_in_bf16():
+    from nbtrain.engine.losses import head_loss_sum
+
+    head, h, y = _head_case(False, n=96, hidden=64, vocab=1000)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = _grads(head, h, y, lambda: head_loss_sum(head, h, y, chunk_tokens=40))
+        compiled = _grads(head, h, y, lambda: head_loss_sum(head, h, y, chunk_tokens=40, compiled=True))
+    assert compiled[0].item() == pytest.approx(eager[0].item(), rel=1e-5)
+    for a, b in zip(eager[1], compiled[1]):
+        assert (a - b).abs().max() <= 2e-2 * a.abs().max()

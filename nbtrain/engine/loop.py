@@ -90,18 +90,19 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Ten
 
 
 def micro_loss_sum(model, mb, task: str, spec, device: str, chunk_tokens: Optional[int] = None,
-                   parts=None) -> torch.Tensor:
+                   parts=None, compiled: bool = False) -> torch.Tensor:
     """Sum of one micro-batch's per-target losses in fp32, the forward under autocast.
 
     Nothing here reads a device value back (the model's own mask logic may: transformers checks the mask on
-    the host in eager mode). ``chunk_tokens`` (causal LM): the chunked loss, with ``parts`` its (decoder, head).
-    The logits are not kept past the loss: backward needs only what the autograd graph holds.
+    the host in eager mode). ``chunk_tokens`` (causal LM): the chunked loss, with ``parts`` its (decoder, head)
+    and ``compiled`` its per-chunk softmax gradient compiled. The logits are not kept past the loss: backward
+    needs only what the autograd graph holds.
     """
     mask = mb.attention_mask
     with autocast(spec, device):
         if chunk_tokens and task == "causal-lm":
             return chunked_loss_sum(model, mb.input_ids, mask, mb.labels, chunk_tokens, parts=parts,
-                                    n_targets=mb.n_targets)
+                                    n_targets=mb.n_targets, compiled=compiled)
         logits = model(input_ids=mb.input_ids, attention_mask=mask).logits
     return loss_sum(logits, mb.labels, task)
 
@@ -354,7 +355,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                     sync = world == 1 or i == len(local) - 1
                     with contextlib.nullcontext() if sync else fwd_model.no_sync():
                         loss = micro_loss_sum(fwd_model, mb, data.task, spec, device,
-                                              cfg.loss_chunk_tokens if chunked else None, loss_parts) / n_targets
+                                              cfg.loss_chunk_tokens if chunked else None, loss_parts,
+                                              cfg.compile) / n_targets
                         if mb.n_targets == 0:
                             loss = loss * 0.0   # a rank left without rows in a short batch still joins the all-reduce
                         # DDP averages gradients over ranks; x world makes that the global sum. scale() is the

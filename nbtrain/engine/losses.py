@@ -58,9 +58,35 @@ def fusable(head) -> bool:
             and type(head.weight) in (torch.nn.Parameter, torch.Tensor))
 
 
+def _ce_and_grad(logits: torch.Tensor, ys: torch.Tensor):
+    """(sum of CE, softmax - onehot) of one chunk's 16-bit logits: fp32 inside, the gradient in the logits' dtype.
+
+    Written without in-place ops so torch.compile can fuse it: the chunk's logits are read twice (the
+    log-sum-exp, then the gradient) and its gradient written once, all in 16 bits, instead of the eager path's
+    fp32 copy and its several full passes."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    loss = (lse - lf.gather(1, ys[:, None]).squeeze(1)).sum()
+    onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == ys[:, None]
+    g = torch.exp(lf - lse[:, None]) - onehot.to(lf.dtype)
+    return loss, g.to(logits.dtype)
+
+
+_COMPILED_CE = None
+
+
+def _compiled_ce():
+    global _COMPILED_CE
+    if _COMPILED_CE is None:   # compiled on first use only: importing nbtrain must not start a compiler
+        _COMPILED_CE = torch.compile(_ce_and_grad)
+    return _COMPILED_CE
+
+
 def _fused_chunks(h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, need_h: bool, need_w: bool,
-                  need_b: bool):
-    """(loss sum, d/dh, d/dW, d/db) of sum_i CE(h_i @ W.T + b, y_i), one chunk of rows at a time."""
+                  need_b: bool, compiled: bool = False):
+    """(loss sum, d/dh, d/dW, d/db) of sum_i CE(h_i @ W.T + b, y_i), one chunk of rows at a time.
+
+    ``compiled``: the chunk's softmax gradient through torch.compile (16-bit compute dtypes, no bias gradient)."""
     # The matmuls in the compute dtype (autocast's, when it is on), the softmax and the loss in fp32: the
     # plain path's rounding points (bf16 logits, then .float()).
     with torch.autocast(h.device.type, enabled=False):
@@ -71,19 +97,18 @@ def _fused_chunks(h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, ne
         gh = torch.empty_like(h) if need_h else None
         gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         gb = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        fast = compiled and cdtype in (torch.bfloat16, torch.float16) and not need_b and (need_h or need_w)
         for s in range(0, y.numel(), chunk_tokens):
             hs, ys = hc[s:s + chunk_tokens], y[s:s + chunk_tokens]
-            logits = F.linear(hs, w, b).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, ys[:, None]).squeeze(1)).sum()
-            if not (need_h or need_w or need_b):
-                continue
-            # d(sum CE)/d logits = softmax - onehot, built in place in the fp32 logits' storage
-            g = logits.sub_(lse[:, None]).exp_()
-            g[torch.arange(ys.numel(), device=g.device), ys] -= 1.0
-            if need_b:
-                gb += g.sum(0)
-            g = g.to(cdtype)
+            if fast:
+                loss, g = _compiled_ce()(F.linear(hs, w, b), ys)
+                total += loss
+            else:
+                loss, g = _eager_ce_and_grad(F.linear(hs, w, b).float(), ys, cdtype, need_h or need_w or need_b,
+                                             gb)
+                total += loss
+                if g is None:
+                    continue
             if need_h:
                 gh[s:s + chunk_tokens] = g @ w
             if need_w:
@@ -91,16 +116,32 @@ def _fused_chunks(h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, ne
                     gw.addmm_(g.t(), hs)
                 else:   # the chunk's bf16 weight gradient, summed in fp32
                     gw += g.t() @ hs
-            del logits, g
+            del g
     return total, gh, gw, gb
+
+
+def _eager_ce_and_grad(logits, ys, cdtype, need_grad: bool, gb):
+    """The eager chunk: the loss of its fp32 ``logits`` and (when wanted) their gradient in ``cdtype``, built in
+    place in the logits' storage; the bias gradient, from the fp32 gradient, is added to ``gb``."""
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, ys[:, None]).squeeze(1)).sum()
+    if not need_grad:
+        return loss, None
+    # d(sum CE)/d logits = softmax - onehot, built in place in the fp32 logits' storage
+    g = logits.sub_(lse[:, None]).exp_()
+    g[torch.arange(ys.numel(), device=g.device), ys] -= 1.0
+    if gb is not None:
+        gb += g.sum(0)
+    return loss, g.to(cdtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """The fused path as an autograd node: gradients made in the forward, scaled in the backward."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype):
-        total, gh, gw, gb = _fused_chunks(h, weight, bias, y, chunk_tokens, cdtype, *ctx.needs_input_grad[:3])
+    def forward(ctx, h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, compiled: bool):
+        total, gh, gw, gb = _fused_chunks(h, weight, bias, y, chunk_tokens, cdtype, *ctx.needs_input_grad[:3],
+                                          compiled=compiled)
         ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.save_for_backward(gh, gw, gb)
         return total
@@ -110,7 +151,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # The loss is a scalar, so the chain rule is one multiplication (by 1/n_targets, times any loss scale).
         go = grad_out.float()
         return (*(None if g is None else (g * go).to(dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes)),
-                None, None, None)
+                None, None, None, None)
 
 
 def _chunk_ce(head: torch.nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -119,10 +160,11 @@ def _chunk_ce(head: torch.nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.
 
 
 def head_loss_sum(head, h: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 1024,
-                  fused: Optional[bool] = None) -> torch.Tensor:
+                  fused: Optional[bool] = None, compiled: bool = False) -> torch.Tensor:
     """Sum of cross-entropies of ``head(h)`` against ``y`` (no -100 in ``y``), ``chunk_tokens`` rows at a time.
 
     ``fused``: None picks the fused path when the head allows it (see the module docstring), True requires it.
+    ``compiled``: the fused path's per-chunk softmax gradient through torch.compile (16-bit autocast only).
     """
     can_fuse = fusable(head)
     if fused and not can_fuse:
@@ -135,7 +177,7 @@ def head_loss_sum(head, h: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 10
         cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
         if not torch.is_grad_enabled():   # evaluation: no gradients to make
             return _fused_chunks(h, head.weight, head.bias, y, chunk_tokens, cdtype, False, False, False)[0]
-        return _LinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk_tokens, cdtype)
+        return _LinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk_tokens, cdtype, compiled)
     total = torch.zeros((), device=h.device, dtype=torch.float32)
     for s in range(0, y.numel(), chunk_tokens):
         # Recomputed in backward: the chunk's logits are freed as soon as its loss is known.
@@ -145,19 +187,20 @@ def head_loss_sum(head, h: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 10
 
 
 def chunked_loss_sum(model, input_ids, attention_mask, labels, chunk_tokens: int = 1024, *,
-                     parts=None, fused: Optional[bool] = None, n_targets: Optional[int] = None) -> torch.Tensor:
+                     parts=None, fused: Optional[bool] = None, n_targets: Optional[int] = None,
+                     compiled: bool = False) -> torch.Tensor:
     """Sum of next-token cross-entropies (labels in HF convention, -100 ignored), computed chunk by chunk.
 
-    ``parts``: a (decoder, head) pair to use instead of ``split_for_chunked_loss(model)`` -- the loop passes
-    its compiled decoder this way. ``n_targets``: the number of labels that count, when the caller knows it on
-    the host; when it is every position, no device-side selection (a host sync) is needed.
+    ``parts``: the (decoder, head) pair ``split_for_chunked_loss(model)`` gives, when the caller has it already.
+    ``n_targets``: the number of labels that count, when the caller knows it on the host; when it is every
+    position, no device-side selection (a host sync) is needed. ``compiled``: see ``head_loss_sum``.
     """
     decoder, head = parts if parts is not None else split_for_chunked_loss(model)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     y = labels[:, 1:]
     if n_targets is not None and n_targets == y.numel():
         return head_loss_sum(head, hidden[:, :-1].reshape(-1, hidden.shape[-1]), y.reshape(-1), chunk_tokens,
-                             fused)
+                             fused, compiled)
     keep = y != -100
     h = hidden[:, :-1][keep]   # only positions that count: padding costs no head FLOPs either
-    return head_loss_sum(head, h, y[keep], chunk_tokens, fused)
+    return head_loss_sum(head, h, y[keep], chunk_tokens, fused, compiled)
