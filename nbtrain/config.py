@@ -87,7 +87,7 @@ class TrainConfig(BaseModel):
                                                   "states, never materialising the full fp32 logits")
     loss_chunk_tokens: int = Field(1024, ge=16, description="tokens per chunk of the chunked loss (a chunk's fp32 "
                                    "logits take tokens x vocab x 4 bytes)")
-    compile: bool = Field(False, description="torch.compile the model (first steps pay the compile time)")
+    compile: bool = Field(False, description="torch.compile each model layer (the first steps pay the compile time)")
     auto_batch_size: bool = Field(False, description="find the largest micro batch that fits and raise "
                                                      "grad_accum_steps to keep the effective batch")
     save_every: Optional[int] = Field(None, ge=1, description="write a checkpoint every N optimizer steps "

@@ -67,7 +67,7 @@ HELP: dict[str, str] = {
     "resume_from": "a checkpoint directory, or output_dir: continue that run exactly",
     "chunked_loss": "compute the loss chunk by chunk: the full fp32 logits never exist (less memory)",
     "loss_chunk_tokens": "target tokens per chunk of the chunked loss",
-    "compile": "torch.compile the model: faster steps after a slow first one",
+    "compile": "torch.compile each layer: faster steps after a slow first one",
     "output_dir": "write config, history and summary here",
 }
 
