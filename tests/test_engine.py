@@ -272,3 +272,16 @@ def test_loss_sum_matches_plain_mean():
     ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),
                                             ignore_index=-100, reduction="sum")
     assert torch.allclose(loss_sum(logits, labels, "causal-lm"), ref)
+
+
+def test_cuda_memory_readings_come_from_one_stats_snapshot(monkeypatch):
+    """allocated / reserved / peak on CUDA are read from one torch.cuda.memory_stats() call, under their keys."""
+    from nbtrain.engine import telemetry
+
+    calls = []
+    stats = {"allocated_bytes.all.current": 3 * 2**30, "reserved_bytes.all.current": 5 * 2**30,
+             "allocated_bytes.all.peak": 4 * 2**30}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: calls.append(1) or stats)
+    assert telemetry.device_memory_gib("cuda") == (3.0, 5.0, 4.0)
+    assert len(calls) == 1
+    assert telemetry.device_memory_gib("cpu") == (None, None, None)

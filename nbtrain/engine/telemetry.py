@@ -20,8 +20,10 @@ def device_memory_gib(device: str) -> tuple[float | None, float | None, float | 
     """(allocated, reserved, peak since the last reset) on the accelerator; Nones on CPU."""
     if device != "cuda":
         return None, None, None
-    return (torch.cuda.memory_allocated() / _GIB, torch.cuda.memory_reserved() / _GIB,
-            torch.cuda.max_memory_allocated() / _GIB)
+    # one stats snapshot (each of memory_allocated / memory_reserved / max_memory_allocated builds a new one)
+    st = torch.cuda.memory_stats()
+    return (st.get("allocated_bytes.all.current", 0) / _GIB, st.get("reserved_bytes.all.current", 0) / _GIB,
+            st.get("allocated_bytes.all.peak", 0) / _GIB)
 
 
 def reset_peak(device: str) -> None:
