@@ -304,7 +304,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
 
         def run_eval(step: int) -> None:
             res = evaluate(model, data.eval, data.task, data.pad_token_id, eval_bs, spec, device,
-                               cfg.loss_chunk_tokens if chunked else None)
+                           cfg.loss_chunk_tokens if chunked else None)
             if res:
                 rec = EvalRecord(step=step, variant=variant, **res)
                 evals.append(rec)
