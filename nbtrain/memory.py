@@ -378,8 +378,10 @@ class _Lin:
 class _Trace:
     """Saved tensors of one decoder layer (or the head) per token, plus token-independent copies."""
 
-    def __init__(self, ac: Optional[int], mask_bytes: Optional[int], dropout: bool, math_seq: int = 0):
+    def __init__(self, ac: Optional[int], mask_bytes: Optional[int], dropout: bool, math_seq: int = 0,
+                 quant_out_ac: bool = True):
         self.ac = ac                  # autocast element size, None without autocast
+        self.quant_out_ac = quant_out_ac   # a quantised layer returns the autocast dtype (4-bit), else its input's
         self.mask_bytes = mask_bytes  # dropout mask bytes per element (None: the input's dtype)
         self.dropout = dropout
         self.math_seq = math_seq      # > 0: SDPA falls back to the math kernel (T x T scores) at this length
@@ -403,8 +405,9 @@ class _Trace:
     def linear(self, x: _T, spec: _Lin) -> _T:
         trainable = spec.kind == "trainable"
         if spec.kind == "quant":
-            # bitsandbytes keeps only the packed weight for backward and returns the input's dtype
-            out = _T(spec.n_out, x.size, x.rg)
+            # bitsandbytes keeps only the packed weight for backward and returns its input's dtype; nbtrain
+            # hands a 4-bit layer its input in the autocast dtype (models.methods.autocast_quantized_inputs)
+            out = _T(spec.n_out, self.ac if self.ac and self.quant_out_ac else x.size, x.rg)
         else:
             xin = self.cast(x)
             if trainable:
@@ -596,7 +599,7 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
                       "layer); bf16 avoids it")
 
     def layer_trace(idx: int, x_rg: bool) -> tuple[_Trace, _T]:
-        tr = _Trace(ac, mask, method != "full" and cfg.lora_dropout > 0, math_seq)
+        tr = _Trace(ac, mask, method != "full" and cfg.lora_dropout > 0, math_seq, quant_out_ac=cfg.quant_bits == 4)
         out = _trace_layer(tr, _T(h, 4, x_rg), _layer_specs(arch, idx, method, adapted, r), full, arch)
         return tr, out
 

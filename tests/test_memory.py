@@ -351,3 +351,22 @@ def test_chunked_loss_peak_matches_a_traced_step(big_vocab_model, method, precis
         _train_step(model, cfg, precision, opt)
     measured = est.weights_bytes + est.optimizer_bytes + tracker.peak
     assert est.tensors_peak_gib * 2**30 == pytest.approx(measured, rel=0.02), (est.peak_phase, measured)
+
+
+@pytest.mark.skipif("qlora" not in capabilities().allowed_methods, reason="bitsandbytes cannot run here")
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_qlora_peak_matches_a_traced_step(precision):
+    """QLoRA's 4-bit layers save nothing and, under autocast, return 16-bit activations like LoRA's layers."""
+    cfg = _cfg(method="qlora", precision=precision, micro_batch_size=4, max_seq_len=128)
+    est = estimate_memory(cfg, device="cpu", device_total_gib=64)
+    model = _build(cfg, precision)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    _train_step(model, cfg, precision, opt)
+    before = list(model.parameters()) + list(model.buffers())
+    before += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    tracker = _LiveBytes({t.untyped_storage()._cdata for t in before})
+    with tracker:
+        _train_step(model, cfg, precision, opt)
+    measured = est.weights_bytes + est.optimizer_bytes + tracker.peak
+    assert est.tensors_peak_gib * 2**30 == pytest.approx(measured, rel=0.02), (est.peak_phase, measured)

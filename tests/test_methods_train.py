@@ -46,3 +46,31 @@ def test_minilm_classifier(method, bits):
                           lr=3e-3, lora_dropout=0.0)
     snap = Snapshot()
     _check(nbt.train(cfg, callbacks=[snap]), snap, head_words=("classifier",))
+
+
+@pytest.mark.skipif("qlora" not in nbt.capabilities().allowed_methods, reason="bitsandbytes cannot run here")
+def test_4bit_layers_get_16bit_inputs_under_autocast():
+    """Under bf16 autocast a 4-bit layer returns bf16 (as an autocast nn.Linear does), with the very matmul it
+    ran before: bitsandbytes already computed in bf16 and only cast the result back to the fp32 input's dtype."""
+    from bitsandbytes.nn import Linear4bit
+
+    from nbtrain.models import build_model, load_tokenizer
+
+    cfg = nbt.TrainConfig(method="qlora", precision="bf16")
+    tok = load_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, tok, None, "bf16", "cpu")
+    layer = next(m for m in model.modules() if isinstance(m, Linear4bit))
+    assert layer._forward_pre_hooks
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hooked = layer(x)
+        hooks, layer._forward_pre_hooks = layer._forward_pre_hooks, type(layer._forward_pre_hooks)()
+        try:
+            bare = layer(x)
+        finally:
+            layer._forward_pre_hooks = hooks
+    assert hooked.dtype == torch.bfloat16 and bare.dtype == torch.float32
+    assert torch.equal(hooked, bare.to(torch.bfloat16))
+    with torch.no_grad():   # without autocast nothing changes
+        assert layer(x).dtype == torch.float32

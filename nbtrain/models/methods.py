@@ -113,6 +113,34 @@ def prepare_qlora(model: torch.nn.Module, cfg) -> torch.nn.Module:
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
+def _quantized_input_hook(module, args, kwargs):
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            if x.dtype != dt:
+                return (x.to(dt), *args[1:]), kwargs
+    return None
+
+
+def autocast_quantized_inputs(model: torch.nn.Module) -> int:
+    """Under autocast, hand each 4-bit layer its input in the autocast dtype, as autocast does for an
+    ``nn.Linear``. bitsandbytes computes in its compute dtype (the autocast dtype here) but returns the
+    input's dtype, so with the fp32 residual stream every activation after a 4-bit layer (the whole MLP, q/k/v)
+    was fp32: QLoRA held twice LoRA's activation memory. The matmul itself is unchanged. Returns the count."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return 0
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.register_forward_pre_hook(_quantized_input_hook, with_kwargs=True)
+            n += 1
+    return n
+
+
 def _keep_cpu_4bit_layout(model: torch.nn.Module) -> None:
     # On CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit layer the first time it runs in eval
     # mode without grad, keeping its scales and computing in bf16 from then on. Evaluation would then
@@ -168,6 +196,7 @@ def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: 
         model = apply_lora(model, cfg, task)
     else:
         _keep_cpu_4bit_layout(model)
+        autocast_quantized_inputs(model)
         model = prepare_qlora(model, cfg)
         model = apply_lora(model, cfg, task)
     cast_trainable_fp32(model)
