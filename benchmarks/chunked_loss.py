@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nbtrain.engine.losses import head_loss_sum  # noqa: E402
+from nbtrain.engine.telemetry import LiveTensorBytes  # noqa: E402
 from nbtrain.hardware import capabilities  # noqa: E402
 
 SHAPES = {"cuda": dict(tokens=8 * 1023, hidden=896, vocab=151936, chunk=1024),
@@ -63,30 +64,7 @@ def _sync(device):
 
 
 def _cpu_peak(variant, head, h, y, chunk, amp) -> int:
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ignore = {t.untyped_storage()._cdata for t in (head.weight, h, y)}
-
-    class Live(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live, self.now, self.peak = {}, 0, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-                self.now -= self.live.pop(k)[1]
-            for t in torch.utils._pytree.tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    if st._cdata not in ignore and st._cdata not in self.live:
-                        self.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
-                        self.now += st.nbytes()
-            self.peak = max(self.peak, self.now)
-            return out
-
-    with Live() as tr:
+    with LiveTensorBytes({t.untyped_storage()._cdata for t in (head.weight, h, y)}) as tr:
         _step(variant, head, h, y, chunk, amp)
     return tr.peak
 

@@ -295,7 +295,7 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Records ops that read tensor data back to the host (.item(), bool(), data-dependent output shapes).
     On a GPU each of these is a device synchronisation."""
 
-    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select", "aten.item")
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select")
 
     def __init__(self):
         super().__init__()

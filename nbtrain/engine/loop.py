@@ -198,16 +198,14 @@ def evaluate(model, examples: list[dict], task: str, pad_token_id: int, batch_si
         for _ in range(n_batches):
             _, (mb,) = next(it)
             mb = mb.to(device)
-            if chunk_tokens and task == "causal-lm":
+            if task == "causal-lm":   # the training step's loss, chunked when it is
                 total_loss += micro_loss_sum(model, mb, task, spec, device, chunk_tokens).double()
-                total_targets += mb.n_targets
-                continue
-            with autocast(spec, device):
-                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            total_loss += loss_sum(logits, mb.labels, task).double()
-            total_targets += mb.n_targets
-            if task != "causal-lm":
+            else:                     # the logits are needed for the accuracy
+                with autocast(spec, device):
+                    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                total_loss += loss_sum(logits, mb.labels, task).double()
                 correct += (logits.argmax(-1) == mb.labels).sum()
+            total_targets += mb.n_targets
     finally:
         model.train(was_training)
     out = {"eval_loss": total_loss.item() / max(1, total_targets), "eval_tokens": total_targets}

@@ -29,7 +29,6 @@ class ChunkedLossError(ValueError):
 
 
 def _unwrap(model):
-    model = getattr(model, "_orig_mod", model)      # torch.compile's wrapper
     if hasattr(model, "get_base_model"):   # peft
         model = model.get_base_model()
     return model
@@ -102,13 +101,12 @@ def _fused_chunks(h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, ne
             hs, ys = hc[s:s + chunk_tokens], y[s:s + chunk_tokens]
             if fast:
                 loss, g = _compiled_ce()(F.linear(hs, w, b), ys)
-                total += loss
             else:
                 loss, g = _eager_ce_and_grad(F.linear(hs, w, b).float(), ys, cdtype, need_h or need_w or need_b,
                                              gb)
-                total += loss
-                if g is None:
-                    continue
+            total += loss
+            if g is None:
+                continue
             if need_h:
                 gh[s:s + chunk_tokens] = g @ w
             if need_w:
