@@ -379,8 +379,9 @@ class _Trace:
     """Saved tensors of one decoder layer (or the head) per token, plus token-independent copies."""
 
     def __init__(self, ac: Optional[int], mask_bytes: Optional[int], dropout: bool, math_seq: int = 0,
-                 quant_out_ac: bool = True):
+                 quant_out_ac: bool = True, lean: bool = False):
         self.ac = ac                  # autocast element size, None without autocast
+        self.lean = lean              # nbtrain.models.lean: norms and the MLP keep less (TrainConfig.lean_layers)
         self.quant_out_ac = quant_out_ac   # a quantised layer returns the autocast dtype (4-bit), else its input's
         self.mask_bytes = mask_bytes  # dropout mask bytes per element (None: the input's dtype)
         self.dropout = dropout
@@ -391,6 +392,7 @@ class _Trace:
         self.cache = 0                # weight copies autocast caches for the forward (trainable leaves)
         self.fwd_extra = 0            # largest short-lived tensor set inside the forward, per token
         self.mlp_grad = 0             # bytes per token of one MLP-intermediate gradient
+        self.mlp_live = 2             # MLP intermediates alive at once in its backward (gradients, recomputed)
 
     def save(self, t: _T) -> None:
         self.saved[id(t)] = t
@@ -449,7 +451,7 @@ class _Trace:
         if x.rg:
             self.save(xf)
             self.save(_T(1, 4, True))              # rsqrt of the variance
-        if trainable:
+        if trainable and not self.lean:   # lean: recomputed in backward from the input and the 1/rms
             normed = _T(x.elems, 4, x.rg)
             self.save(normed if x.size == 4 else _T(x.elems, x.size, x.rg))
         return _T(x.elems, 4, x.rg or trainable)
@@ -495,12 +497,29 @@ def _trace_layer(tr: _Trace, x: _T, lin: dict[str, _Lin], norms_trainable: bool,
     o = tr.linear(attn, lin["o"])
     r = _T(x.elems, max(x.size, o.size), x.rg or o.rg)
     xn2 = tr.rmsnorm(r, norms_trainable)
+    mlp = (lin["gate"], lin["up"], lin["down"])
+    if tr.lean and all(sp.kind == "trainable" and not sp.lora_r for sp in mlp):
+        # one function for the whole MLP: it keeps x cast once, gate(x) and up(x), and the three weights' casts;
+        # its backward recomputes SiLU and the product beside the gradients (3 intermediates at most)
+        s = tr.ac or 4
+        for t in (tr.cast(xn2), _T(mlp[0].n_out, s, True), _T(mlp[1].n_out, s, True)):
+            tr.save(t)
+        if tr.ac:
+            tr.const += 2 * sum(sp.weight for sp in mlp)
+        tr.mlp_grad, tr.mlp_live = mlp[0].n_out * s, 3
+        return _T(x.elems, max(r.size, s), True)
     g, u = tr.linear(xn2, lin["gate"]), tr.linear(xn2, lin["up"])
     if g.rg:
         tr.save(g)                                  # SiLU keeps its input
     tr.mlp_grad = g.elems * g.size                  # gradients have their tensors' dtype
     act = _T(g.elems, g.size, g.rg)
-    d = tr.linear(tr.mul(act, u), lin["down"])
+    if tr.lean:                                     # SiLU(gate) * up keeps gate and up only
+        if g.rg or u.rg:
+            tr.save(u)
+        prod = _T(g.elems, max(g.size, u.size), g.rg or u.rg)
+    else:
+        prod = tr.mul(act, u)
+    d = tr.linear(prod, lin["down"])
     return _T(x.elems, max(r.size, d.size), r.rg or d.rg)
 
 
@@ -593,13 +612,19 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
 
     # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
     # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
+    # nbtrain.models.lean applies to Llama-style layers, and not under compile (whose graphs recompute alike)
+    lean = cfg.lean_layers and not cfg.compile and arch.llama_like
+    if cfg.lean_layers and not lean:
+        notes.append("lean_layers: no effect here (" + ("compile=True recomputes on its own" if cfg.compile
+                     else f"{arch.model_type} has no Llama-style MLP and RMSNorm") + ")")
     math_seq = T if device == "cuda" and ac is None and arch.kv_heads < arch.heads else 0
     if math_seq:
         notes.append("fp32 attention with grouped kv heads runs SDPA's math kernel on CUDA (T x T scores per "
                       "layer); bf16 avoids it")
 
     def layer_trace(idx: int, x_rg: bool) -> tuple[_Trace, _T]:
-        tr = _Trace(ac, mask, method != "full" and cfg.lora_dropout > 0, math_seq, quant_out_ac=cfg.quant_bits == 4)
+        tr = _Trace(ac, mask, method != "full" and cfg.lora_dropout > 0, math_seq, quant_out_ac=cfg.quant_bits == 4,
+                    lean=lean)
         out = _trace_layer(tr, _T(h, 4, x_rg), _layer_specs(arch, idx, method, adapted, r), full, arch)
         return tr, out
 
@@ -611,14 +636,14 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     layer_cache = [tr0.cache] + [tr1.cache] * (L - 1)
     rope_bytes = 2 * arch.head_dim * 4 * T       # cos and sin, fp32, shared by all layers
     inputs = 3 * 8 * N                           # input_ids, attention_mask, labels (int64)
-    fwd_extra, mlp_grad, attn_grad = tr1.fwd_extra, tr1.mlp_grad, tr1.attn_grad
+    fwd_extra, mlp_grad, attn_grad = tr1.fwd_extra, tr1.mlp_grad * tr1.mlp_live / 2, tr1.attn_grad
 
     # the head: final norm, then the output layer / classifier
     head_l = next((lin for lin in arch.linears if lin.name == arch.head), None)
     head_weight = head_l.weight if head_l else arch.vocab * h
     head_trainable = full or task == "sequence-classification"
     chunked = cfg.chunked_loss and task == "causal-lm"
-    trh = _Trace(ac, mask, False)
+    trh = _Trace(ac, mask, False, lean=lean)
     xf = trh.rmsnorm(_T(h, 4, True), full)
     if not chunked:
         logits_t = trh.linear(xf, _Lin(h, arch.vocab, head_weight, "trainable" if head_trainable else "frozen"))

@@ -223,6 +223,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
          variant: Optional[str] = None, hash_init: bool = False) -> TrainResult:
     from ..data import load_data, iter_steps, steps_per_epoch
     from ..models import build_model, count_params, load_tokenizer
+    from ..models.lean import lean_layers
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a TrainConfig, got {type(cfg).__name__}")
@@ -250,6 +251,14 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         params = [p for p in model.parameters() if p.requires_grad]
         trainable, total_params = count_params(model)
         notes: list[str] = []
+        lean = None
+        if cfg.lean_layers:   # before the batch-size probe, which should measure what training will keep
+            if cfg.compile:
+                notes.append("lean_layers: not applied under compile=True (the compiled layers recompute their "
+                             "pointwise intermediates on their own)")
+            else:
+                lean = lean_layers(model)
+                notes.append(lean.describe())
         if cfg.auto_batch_size:
             cfg, note = _auto_batch_size(cfg, model, params, data, spec, device)
             notes.append(note)
@@ -435,6 +444,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             # no compiled layers.
             optimizer.zero_grad(set_to_none=True)
             uncompile(compiled)
+            if lean is not None:
+                lean.undo()
             if stopped_reason == "out_of_memory":
                 import gc
 

@@ -1,0 +1,242 @@
+"""Leaner activations for Llama-family layers: ``lean_layers(model)`` (``TrainConfig.lean_layers``).
+
+Eager autograd keeps, per token and decoder layer, more than backward needs:
+
+* the SwiGLU MLP ``down(silu(gate(x)) * up(x))`` keeps gate(x), silu(gate(x)), up(x) and their product
+  (4 x intermediate elements in the autocast dtype) and, under autocast, a 16-bit copy of x per projection;
+* an RMSNorm with a trainable weight keeps its fp32 input and its fp32 normalised input (2 x hidden fp32).
+
+Here the MLP keeps x (one 16-bit copy), gate(x) and up(x), and the norm its input and the per-row scale;
+what backward needs beyond that (the SiLU, the product, the normalised input) is recomputed there by a few
+pointwise ops. The ops and their order are those of eager autograd, so losses and gradients are equal to
+the unchanged model's (tests/test_lean.py). At Qwen2.5-0.5B's shape (bf16, 8 x 1024) that is 5.2 GiB less.
+
+The MLP's three projections run inside one autograd function when they are plain bias-free ``nn.Linear``
+layers (full fine-tuning); otherwise (LoRA, QLoRA) only the SiLU and the product are recomputed and the
+projections run as modules. Forward hooks on those three projections do not fire in the first case.
+A module class is taken only after its own forward and the lean one agree on a probe input, so a
+look-alike with other arithmetic (Gemma's ``1 + weight`` norm, a GELU MLP) is left alone.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+_silu_backward = torch.ops.aten.silu_backward
+
+
+def _autocast_dtype(x: torch.Tensor):
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``down(silu(gate(x)) * up(x))`` for bias-free Linear weights; keeps x (cast once), gate(x), up(x)."""
+
+    @staticmethod
+    def forward(ctx, x, wg, wu, wd, dtype):
+        # autocast would cast x once per projection and each weight once; the casts here are the same values
+        xc, wg_, wu_, wd_ = (t if dtype is None else t.to(dtype) for t in (x, wg, wu, wd))
+        g = F.linear(xc, wg_)
+        u = F.linear(xc, wu_)
+        out = F.linear(F.silu(g) * u, wd_)
+        ctx.save_for_backward(xc, g, u, wg_, wu_, wd_)
+        ctx.dtypes = (x.dtype, wg.dtype, wu.dtype, wd.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        xc, g, u, wg_, wu_, wd_ = ctx.saved_tensors
+        x_dt, wg_dt, wu_dt, wd_dt = ctx.dtypes
+        need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
+        s = F.silu(g)                                     # recomputed: not kept since the forward
+        go = grad_out.reshape(-1, grad_out.shape[-1])
+        gp = (go @ wd_).view(g.shape)
+        gwd = gx = gwg = gwu = None
+        if need_d:
+            gwd = (go.t() @ (s * u).reshape(-1, g.shape[-1])).to(wd_dt)
+        # the product's backward, as eager's mul; freed as soon as possible (3 intermediates at most)
+        gu = gp * s
+        del s
+        gs = gp * u
+        del gp
+        gg = _silu_backward(gs, g)
+        del gs
+        gg2, gu2 = gg.reshape(-1, g.shape[-1]), gu.reshape(-1, g.shape[-1])
+        if need_x:    # one gradient per projection, each cast back to x's dtype, then summed (as eager)
+            gx = ((gg2 @ wg_).to(x_dt) + (gu2 @ wu_).to(x_dt)).view(xc.shape)
+        x2 = xc.reshape(-1, xc.shape[-1])
+        if need_g:
+            gwg = (gg2.t() @ x2).to(wg_dt)
+        if need_u:
+            gwu = (gu2.t() @ x2).to(wu_dt)
+        return gx, gwg, gwu, gwd, None
+
+
+class _SiluMul(torch.autograd.Function):
+    """``silu(g) * u`` keeping g and u only (eager also keeps silu(g))."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        g, u = ctx.saved_tensors
+        gg = gu = None
+        if ctx.needs_input_grad[0]:
+            gg = _silu_backward((grad * u).to(g.dtype), g)
+        if ctx.needs_input_grad[1]:
+            gu = (grad * F.silu(g)).to(u.dtype)
+        return gg, gu
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Llama's RMSNorm keeping its input and the per-row 1/rms (eager also keeps the fp32 normalised input).
+
+    Takes its input twice (``apply(x, x, w, eps)``) and returns the input's gradient in two parts, the product
+    path first, then the square's: autograd then sums them into x's gradient in eager's order (after the
+    residual branch's), so the result is equal bit for bit, not only to rounding."""
+
+    @staticmethod
+    def forward(ctx, x, x_again, w, eps):
+        xf = x.to(torch.float32)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, w, r)
+        return w * (xf * r).to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, w, r = ctx.saved_tensors
+        xf = x.to(torch.float32)
+        g_prod = g_sq = gw = None
+        if ctx.needs_input_grad[2]:
+            gw = (gy * (xf * r).to(x.dtype)).sum_to_size(w.shape).to(w.dtype)
+        if ctx.needs_input_grad[0]:
+            # eager autograd's formulas, in its order: mul, rsqrt (-0.5 * grad * result^3), mean, pow
+            gn = (gy * w).to(x.dtype).to(torch.float32)
+            g_prod = gn * r
+            gr = (gn * xf).sum_to_size(r.shape)
+            gsq = ((-0.5 * gr) * r.pow(3)).expand_as(xf) / xf.shape[-1]
+            g_sq = gsq * (2.0 * xf)
+            if x.dtype != torch.float32:   # eager sums the two in fp32, then casts once
+                g_prod, g_sq = (g_prod + g_sq).to(x.dtype), None
+        return g_prod, g_sq, gw, None
+
+
+def _norm_forward(self, hidden_states):
+    if torch.is_grad_enabled() and self.weight.requires_grad:
+        return _RMSNorm.apply(hidden_states, hidden_states, self.weight, self.variance_epsilon)
+    return type(self).forward(self, hidden_states)    # nothing to save: the class's own forward
+
+
+def _mlp_forward(self, x):
+    if not torch.is_grad_enabled():
+        return type(self).forward(self, x)
+    if self._nbtrain_lean_fused:
+        return _SwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                             _autocast_dtype(x))
+    return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+def _is_norm(m: torch.nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    return (type(m).__name__.endswith("RMSNorm") and isinstance(w, torch.nn.Parameter) and w.dim() == 1
+            and isinstance(getattr(m, "variance_epsilon", None), float))
+
+
+def _is_mlp(m: torch.nn.Module) -> bool:
+    return all(isinstance(getattr(m, a, None), torch.nn.Module) for a in ("gate_proj", "up_proj", "down_proj",
+                                                                          "act_fn"))
+
+
+def _plain(lin: torch.nn.Module) -> bool:
+    return type(lin) is torch.nn.Linear and lin.bias is None and lin.weight.is_floating_point()
+
+
+def _probe(m: torch.nn.Module, width: int, lean_forward) -> bool:
+    """Do the class's forward and the lean one agree on a small input (dropout off, no RNG drawn)?"""
+    w = next(m.parameters())
+    if w.device.type == "meta":
+        return False
+    dtype = w.dtype if w.is_floating_point() else torch.float32
+    x = torch.linspace(-2.0, 2.0, 3 * width, device=w.device, dtype=dtype).reshape(3, width).requires_grad_()
+    was = m.training
+    m.eval()
+    try:
+        with torch.enable_grad():
+            ref = type(m).forward(m, x)
+            got = lean_forward(m, x)
+        return ref.shape == got.shape and torch.allclose(ref.float(), got.float(), rtol=1e-5, atol=1e-6)
+    except Exception:   # a look-alike whose forward takes other arguments: not ours to change
+        return False
+    finally:
+        m.train(was)
+
+
+@dataclass
+class LeanLayers:
+    """What ``lean_layers`` changed; ``undo()`` gives every module its class's forward back."""
+
+    mlps: list = field(default_factory=list)
+    fused: int = 0                       # of the MLPs, those run as one function (plain Linear projections)
+    norms: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)   # class names that looked alike but computed otherwise
+
+    def undo(self) -> None:
+        for m in self.mlps + self.norms:
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop("_nbtrain_lean_fused", None)
+        self.mlps, self.norms, self.fused = [], [], 0
+
+    def describe(self) -> str:
+        if not (self.mlps or self.norms):
+            return "lean_layers: no Llama-style SwiGLU MLP or RMSNorm found; nothing changed"
+        s = (f"lean_layers: {len(self.mlps)} MLPs ({self.fused} fused with their projections) and "
+             f"{len(self.norms)} RMSNorms keep less for backward")
+        return s + (f"; left alone: {', '.join(sorted(set(self.skipped)))}" if self.skipped else "")
+
+
+def lean_layers(model: torch.nn.Module) -> LeanLayers:
+    """Make the model's SwiGLU MLPs and trainable RMSNorms recompute cheap intermediates in backward instead
+    of keeping them (in place; equal results; ``.undo()`` restores). Call after the method (LoRA) is applied:
+    which MLPs run fused depends on whether their projections are still plain ``nn.Linear`` layers."""
+    out = LeanLayers()
+    verdict: dict[tuple, bool] = {}
+    for m in model.modules():
+        if "forward" in m.__dict__:
+            continue          # already lean, or someone else's instance-level forward
+        if _is_mlp(m):
+            fused = all(_plain(getattr(m, a)) for a in ("gate_proj", "up_proj", "down_proj"))
+            key = (type(m), fused)
+            if key not in verdict:
+                m._nbtrain_lean_fused = fused
+                verdict[key] = _probe(m, m.gate_proj.in_features if hasattr(m.gate_proj, "in_features")
+                                      else m.gate_proj.weight.shape[-1], _mlp_forward)
+                del m._nbtrain_lean_fused
+            if verdict[key]:
+                m._nbtrain_lean_fused = fused
+                m.forward = types.MethodType(_mlp_forward, m)
+                out.mlps.append(m)
+                out.fused += fused
+            else:
+                out.skipped.append(type(m).__name__)
+        elif _is_norm(m) and m.weight.requires_grad:   # a frozen weight: eager keeps no more than this
+            key = (type(m), None)
+            if key not in verdict:
+                verdict[key] = _probe(m, m.weight.shape[0],
+                                      lambda n, x: _RMSNorm.apply(x, x, n.weight, n.variance_epsilon))
+            if verdict[key]:
+                m.forward = types.MethodType(_norm_forward, m)
+                out.norms.append(m)
+            else:
+                out.skipped.append(type(m).__name__)
+    return out
