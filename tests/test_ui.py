@@ -65,6 +65,7 @@ CHANGES = {
     "lora_targets": ("q_proj, v_proj", ["q_proj", "v_proj"]),
     "quant_bits": (8, 8),
     "gradient_checkpointing": (True, True),
+    "lean_layers": (True, True),
     "lr": (1e-3, 1e-3),
     "weight_decay": (0.01, 0.01),
     "scheduler": ("linear", "linear"),

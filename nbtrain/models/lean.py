@@ -216,7 +216,7 @@ def lean_layers(model: torch.nn.Module) -> LeanLayers:
             continue          # already lean, or someone else's instance-level forward
         if _is_mlp(m):
             fused = all(_plain(getattr(m, a)) for a in ("gate_proj", "up_proj", "down_proj"))
-            key = (type(m), fused)
+            key = (type(m), type(m.act_fn), fused)    # one class may hold several activations
             if key not in verdict:
                 m._nbtrain_lean_fused = fused
                 verdict[key] = _probe(m, m.gate_proj.in_features if hasattr(m.gate_proj, "in_features")

@@ -221,6 +221,7 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "chunked_loss": Codec(_check("Chunked loss (causal LM)")),
         "loss_chunk_tokens": Codec(_int("Loss chunk (tokens)")),
         "compile": Codec(_check("torch.compile")),
+        "lean_layers": Codec(_check("Lean layers")),
         "auto_batch_size": Codec(_check("Auto micro batch")),
         "save_every": _with_widget(_optional_int("no checkpoints"), _text("Checkpoint every", "blank: never")),
         "resume_from": _with_widget(_optional_str("starting fresh"), _text("Resume from", "blank: fresh run")),
