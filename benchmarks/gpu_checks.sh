@@ -4,7 +4,8 @@
 #               holds), a REAL out-of-memory (history kept, memory released, auto_batch_size finds a fit), QLoRA on
 #               CUDA with a merged save, chunked loss cutting peak memory, the HF Trainer callback under fp16 (~1-2 min);
 #   PART=loss   benchmarks/chunked_loss.py: the output layer + loss alone at Qwen2.5-0.5B's head, plain vs chunked
-#               (recompute) vs chunked (fused): time and peak memory (~20 s);
+#               (recompute) vs chunked (fused): time and peak memory (~20 s); and benchmarks/lean_layers.py: four
+#               of its decoder layers, eager vs lean_layers: time, peak, kept activations, equal gradients (~20 s);
 #   PART=suite  benchmarks/gpu_suite.py, the full suite (bare loop vs nbtrain vs transformers.Trainer, every
 #               precision, LoRA/QLoRA, the optimisation rows; its own 330 s budget skips what would not fit);
 #               QUICK=1 runs its --quick rows instead (~1.5 min);
@@ -27,6 +28,7 @@ if want tests; then
 fi
 if want loss; then
     python3 benchmarks/chunked_loss.py --out "$OUT" 2>&1 | tail -14 || status=1
+    python3 benchmarks/lean_layers.py --out "$OUT" 2>&1 | tail -10 || status=1
 fi
 if want suite; then
     if [ "${QUICK:-0}" = 1 ]; then

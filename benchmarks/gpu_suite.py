@@ -178,6 +178,10 @@ def suite_rows(device: str) -> list[Row]:
         rows += [
             Row("nbtrain:bf16+chunked_loss", "nbtrain", "bf16", group="opt", cfg=(("chunked_loss", True),),
                 est_s=7, note="cfg.chunked_loss=True"),
+            Row("nbtrain:bf16+chunked_loss+lean", "nbtrain", "bf16", group="opt",
+                cfg=(("chunked_loss", True), ("lean_layers", True)), est_s=7,
+                note="cfg.lean_layers=True on top of chunked loss: MLP and norms recompute SiLU, product, normalised "
+                     "input in backward"),
             Row("nbtrain:bf16+padding", "nbtrain", "bf16", group="opt", cfg=(("packing", False),), est_s=5,
                 note="packing=False: one document per row, padded to the batch's longest (tok/s counts real tokens)"),
             Row("bare:bf16+host_sync", "bare", "bf16", group="opt", host_sync=True, est_s=7,
@@ -204,6 +208,8 @@ def suite_rows(device: str) -> list[Row]:
         rows += [
             Row("nbtrain:fp32+chunked_loss", "nbtrain", "fp32", group="opt", cfg=(("chunked_loss", True),),
                 est_s=3, note="cfg.chunked_loss=True"),
+            Row("nbtrain:fp32+chunked_loss+lean", "nbtrain", "fp32", group="opt",
+                cfg=(("chunked_loss", True), ("lean_layers", True)), est_s=3, note="cfg.lean_layers=True"),
             Row("nbtrain:fp32+padding", "nbtrain", "fp32", group="opt", cfg=(("packing", False),), est_s=3,
                 note="packing=False"),
         ]
@@ -213,6 +219,7 @@ def suite_rows(device: str) -> list[Row]:
 
 MAIN_GROUPS = ("bf16", "fp16", "tf32", "fp32", "lora", "qlora")
 QUICK = ("bare:bf16", "nbtrain:bf16", "nbtrain:bf16+dashboard", "trainer:bf16", "nbtrain:bf16+chunked_loss",
+         "nbtrain:bf16+chunked_loss+lean",
          "nbtrain:lora", "nbtrain:qlora")
 QUICK_CPU = ("bare:fp32", "nbtrain:fp32", "trainer:fp32", "nbtrain:fp32+dashboard")
 
@@ -655,8 +662,11 @@ def checks(rows: list[dict], device: str) -> list[dict]:
         cost = None if v is None else round(1 - v, 4)
         add("dashboard cost (bf16, mean throughput)", cost, f"<= {TARGETS['dashboard_cost']}",
             None if cost is None else cost <= TARGETS["dashboard_cost"])
-        opt = [idx[n] for n in ("nbtrain:bf16+chunked_loss+compile", "nbtrain:bf16+chunked_loss") if n in idx]
-        best = max(opt, key=lambda r: r["tokens_per_s"]) if opt else None
+        opt = [idx[n] for n in ("nbtrain:bf16+chunked_loss+compile", "nbtrain:bf16+chunked_loss+lean",
+                                "nbtrain:bf16+chunked_loss") if n in idx]
+        # the fastest row within the memory target (both targets are for one configuration), else the fastest
+        fits = [r for r in opt if r["peak_mem_gib"] is not None and r["peak_mem_gib"] <= TARGETS["bf16_opt_peak_gib"]]
+        best = max(fits or opt, key=lambda r: r["tokens_per_s"]) if opt else None
         add("bf16 full with optimisations: tokens/s", best and best["tokens_per_s"],
             f">= {TARGETS['bf16_opt_tokens_per_s']:,}",
             None if best is None else best["tokens_per_s"] >= TARGETS["bf16_opt_tokens_per_s"],

@@ -497,29 +497,27 @@ def _trace_layer(tr: _Trace, x: _T, lin: dict[str, _Lin], norms_trainable: bool,
     o = tr.linear(attn, lin["o"])
     r = _T(x.elems, max(x.size, o.size), x.rg or o.rg)
     xn2 = tr.rmsnorm(r, norms_trainable)
-    mlp = (lin["gate"], lin["up"], lin["down"])
-    if tr.lean and all(sp.kind == "trainable" and not sp.lora_r for sp in mlp):
-        # one function for the whole MLP: it keeps x cast once, gate(x) and up(x), and the three weights' casts;
-        # its backward recomputes SiLU and the product beside the gradients (3 intermediates at most)
-        s = tr.ac or 4
-        for t in (tr.cast(xn2), _T(mlp[0].n_out, s, True), _T(mlp[1].n_out, s, True)):
-            tr.save(t)
-        if tr.ac:
-            tr.const += 2 * sum(sp.weight for sp in mlp)
-        tr.mlp_grad, tr.mlp_live = mlp[0].n_out * s, 3
-        return _T(x.elems, max(r.size, s), True)
     g, u = tr.linear(xn2, lin["gate"]), tr.linear(xn2, lin["up"])
     if g.rg:
         tr.save(g)                                  # SiLU keeps its input
     tr.mlp_grad = g.elems * g.size                  # gradients have their tensors' dtype
     act = _T(g.elems, g.size, g.rg)
-    if tr.lean:                                     # SiLU(gate) * up keeps gate and up only
-        if g.rg or u.rg:
-            tr.save(u)
-        prod = _T(g.elems, max(g.size, u.size), g.rg or u.rg)
-    else:
-        prod = tr.mul(act, u)
-    d = tr.linear(prod, lin["down"])
+    if not tr.lean:
+        d = tr.linear(tr.mul(act, u), lin["down"])
+        return _T(x.elems, max(r.size, d.size), r.rg or d.rg)
+    # nbtrain.models.lean: SiLU(gate) * up keeps gate and up only; the SiLU is recomputed in backward
+    if g.rg or u.rg:
+        tr.save(u)
+    prod = _T(g.elems, max(g.size, u.size), g.rg or u.rg)
+    down = lin["down"]
+    if down.kind == "trainable" and not down.lora_r:
+        # with a plain down projection in the same function: its input (the product) is not kept either, only
+        # the weight's cast; its backward recomputes the product too (3 intermediates at most)
+        tr.mlp_live = 3
+        if tr.ac:
+            tr.const += 2 * down.weight
+        return _T(x.elems, max(r.size, tr.ac or 4), True)
+    d = tr.linear(prod, down)
     return _T(x.elems, max(r.size, d.size), r.rg or d.rg)
 
 

@@ -96,15 +96,16 @@ def test_gpu_plan_fits_and_aggregates(suite):
         for g in ("fp32", "tf32", "bf16", "fp16", "lora", "qlora"):
             assert f"{impl}:{g}" in names
     for extra in ("nbtrain:bf16+dashboard", "nbtrain:bf16+chunked_loss", "nbtrain:bf16+padding",
-                  "bare:bf16-fused_adamw", "bare:bf16-sdpa", "bare:bf16+host_sync", "nbtrain:bf16+chunked_loss+compile"):
+                  "bare:bf16-fused_adamw", "bare:bf16-sdpa", "bare:bf16+host_sync", "nbtrain:bf16+chunked_loss+compile",
+                  "nbtrain:bf16+chunked_loss+lean"):
         assert extra in names
     order = suite.run_order(rows, "cuda", 2)
     assert sum(r.est_s for r in order) < 360
     quick = suite.select_rows(rows, None, True, "cuda")
     assert sum(r.est_s for r in quick) < 120
     assert [r.name for r in suite.select_rows(rows, "nbtrain:bf16+*", False, "cuda")] == [
-        "nbtrain:bf16+dashboard", "nbtrain:bf16+chunked_loss", "nbtrain:bf16+padding",
-        "nbtrain:bf16+chunked_loss+compile"]
+        "nbtrain:bf16+dashboard", "nbtrain:bf16+chunked_loss", "nbtrain:bf16+chunked_loss+lean",
+        "nbtrain:bf16+padding", "nbtrain:bf16+chunked_loss+compile"]
 
     def run(name, impl, group, tps, peak, precision="bf16", method="full", **kw):
         return {"name": name, "impl": impl, "group": group, "precision": precision, "method": method,
@@ -115,7 +116,8 @@ def test_gpu_plan_fits_and_aggregates(suite):
     runs = [run("bare:bf16", "bare", "bf16", 100_000, 30.0), run("nbtrain:bf16", "nbtrain", "bf16", 99_000, 30.0),
             run("nbtrain:bf16+dashboard", "nbtrain", "bf16", 98_500, 30.0),
             run("trainer:bf16", "trainer", "bf16", 90_000, 31.0),
-            run("nbtrain:bf16+chunked_loss", "nbtrain", "opt", 130_000, 15.0),
+            run("nbtrain:bf16+chunked_loss", "nbtrain", "opt", 130_000, 19.0),
+            run("nbtrain:bf16+chunked_loss+lean", "nbtrain", "opt", 126_000, 15.0),
             run("nbtrain:lora", "nbtrain", "lora", 120_000, 10.0, method="lora"),
             {"name": "nbtrain:qlora", "impl": "nbtrain", "group": "qlora", "precision": "bf16", "method": "qlora",
              "options": {}, "note": "", "error": "ImportError: bitsandbytes"},
@@ -133,6 +135,8 @@ def test_gpu_plan_fits_and_aggregates(suite):
     assert checks["dashboard cost (bf16, mean throughput)"]["value"] == pytest.approx(0.0051, abs=1e-4)
     assert checks["bf16 full with optimisations: tokens/s"]["pass"] is True
     assert checks["bf16 full with optimisations: peak GiB"]["pass"] is True
+    # both targets are met by one configuration: the fastest row within the memory target, not the fastest row
+    assert checks["bf16 full with optimisations: tokens/s"]["detail"] == "nbtrain:bf16+chunked_loss+lean"
     assert checks["QLoRA / LoRA throughput (nbtrain)"]["pass"] is None
     md = suite.markdown({"meta": {"device": "cuda", "device_name": "NVIDIA H200", "date": "d", "shape": "qwen2.5-0.5b",
                                   "params": 494e6, "batch": 8, "seq_len": 1024, "warmup": 3, "windows": 3,
@@ -163,3 +167,24 @@ def test_chunked_loss_benchmark_on_cpu(tmp_path):
               f"fused {rows['fused']['speed_vs_plain']:.2f}x" + (f", fused+compiled {compiled:.2f}x" if compiled else "")
               + "; peak vs plain: recompute "
               f"{rows['recompute']['peak_vs_plain']:.2f}x, fused {rows['fused']['peak_vs_plain']:.2f}x")
+
+
+def test_lean_layers_benchmark_on_cpu(tmp_path):
+    """benchmarks/lean_layers.py at a small stack: gradients equal bit for bit, and the forward keeps less for
+    backward (by the amounts nbtrain.memory models). Speed is printed, not asserted."""
+    spec = importlib.util.spec_from_file_location("lean_layers_bench", ROOT / "benchmarks" / "lean_layers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--cpu", "--seq", "64", "--repeats", "2", "--out", str(tmp_path)])
+    assert (tmp_path / "lean_layers_cpu.json").is_file() and (tmp_path / "lean_layers_cpu.md").is_file()
+    h, i = mod.SHAPES["cpu"]["hidden"], mod.SHAPES["cpu"]["intermediate"]
+    # per token and layer: the SiLU output and the product (2 x i each, in the autocast dtype) and the two norms'
+    # fp32 normalised inputs (4h each)
+    expect = {"fp32": 8 * i + 8 * h, "bf16": 4 * i + 8 * h}
+    for p in res["precisions"]:
+        eager, lean = p["rows"]
+        assert eager["grads_equal"] and lean["grads_equal"]
+        saved = eager["kept_bytes_per_token_layer"] - lean["kept_bytes_per_token_layer"]
+        assert saved == pytest.approx(expect[p["precision"]], rel=0.01), saved
+        print(f"\n{p['precision']}: lean vs eager: speed {lean['speed_vs_eager']:.2f}x, kept "
+              f"{lean['kept_vs_eager']:.2f}x, peak {lean['peak_vs_eager']:.2f}x")

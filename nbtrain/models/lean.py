@@ -2,20 +2,20 @@
 
 Eager autograd keeps, per token and decoder layer, more than backward needs:
 
-* the SwiGLU MLP ``down(silu(gate(x)) * up(x))`` keeps gate(x), silu(gate(x)), up(x) and their product
-  (4 x intermediate elements in the autocast dtype) and, under autocast, a 16-bit copy of x per projection;
+* the SwiGLU MLP ``down(silu(gate(x)) * up(x))`` keeps gate(x), silu(gate(x)), up(x) and their product, the
+  down projection's input (4 x intermediate elements in the autocast dtype);
 * an RMSNorm with a trainable weight keeps its fp32 input and its fp32 normalised input (2 x hidden fp32).
 
-Here the MLP keeps x (one 16-bit copy), gate(x) and up(x), and the norm its input and the per-row scale;
-what backward needs beyond that (the SiLU, the product, the normalised input) is recomputed there by a few
-pointwise ops. The ops and their order are those of eager autograd, so losses and gradients are equal to
-the unchanged model's (tests/test_lean.py). At Qwen2.5-0.5B's shape (bf16, 8 x 1024) that is 5.2 GiB less.
+Here the MLP keeps gate(x) and up(x), and the norm its input and the per-row scale; what backward needs
+beyond that (the SiLU, the product, the normalised input) is recomputed there by a few pointwise ops. The ops
+and their order are those of eager autograd, so losses and gradients are equal bit for bit to the unchanged
+model's (tests/test_lean.py). At Qwen2.5-0.5B's shape (bf16, 8 x 1024) that is 4.9 GiB less.
 
-The MLP's three projections run inside one autograd function when they are plain bias-free ``nn.Linear``
-layers (full fine-tuning); otherwise (LoRA, QLoRA) only the SiLU and the product are recomputed and the
-projections run as modules. Forward hooks on those three projections do not fire in the first case.
-A module class is taken only after its own forward and the lean one agree on a probe input, so a
-look-alike with other arithmetic (Gemma's ``1 + weight`` norm, a GELU MLP) is left alone.
+The product and the down projection run as one autograd function when ``down_proj`` is a plain bias-free
+``nn.Linear`` (full fine-tuning; a forward hook on it does not fire then); otherwise (LoRA, QLoRA) the
+product alone is, and the SiLU output is what is saved. A module class is taken only after its own forward
+and the lean one agree on a probe input, so a look-alike with other arithmetic (Gemma's ``1 + weight``
+norm, a GELU MLP) is left alone.
 """
 
 from __future__ import annotations
@@ -34,48 +34,37 @@ def _autocast_dtype(x: torch.Tensor):
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
-class _SwiGLU(torch.autograd.Function):
-    """``down(silu(gate(x)) * up(x))`` for bias-free Linear weights; keeps x (cast once), gate(x), up(x)."""
+class _SiluMulDown(torch.autograd.Function):
+    """``down(silu(g) * u)`` for a bias-free Linear ``down``; keeps g, u and the weight's cast only (eager also
+    keeps silu(g) and the product, the down projection's input)."""
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, dtype):
-        # autocast would cast x once per projection and each weight once; the casts here are the same values
-        xc, wg_, wu_, wd_ = (t if dtype is None else t.to(dtype) for t in (x, wg, wu, wd))
-        g = F.linear(xc, wg_)
-        u = F.linear(xc, wu_)
-        out = F.linear(F.silu(g) * u, wd_)
-        ctx.save_for_backward(xc, g, u, wg_, wu_, wd_)
-        ctx.dtypes = (x.dtype, wg.dtype, wu.dtype, wd.dtype)
+    def forward(ctx, g, u, wd, dtype):
+        wd_ = wd if dtype is None else wd.to(dtype)   # the value autocast's cast would give
+        out = F.linear((F.silu(g) * u).to(wd_.dtype), wd_)
+        ctx.save_for_backward(g, u, wd_)
+        ctx.wd_dtype = wd.dtype
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        xc, g, u, wg_, wu_, wd_ = ctx.saved_tensors
-        x_dt, wg_dt, wu_dt, wd_dt = ctx.dtypes
-        need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
+        g, u, wd_ = ctx.saved_tensors
         s = F.silu(g)                                     # recomputed: not kept since the forward
         go = grad_out.reshape(-1, grad_out.shape[-1])
         gp = (go @ wd_).view(g.shape)
-        gwd = gx = gwg = gwu = None
-        if need_d:
-            gwd = (go.t() @ (s * u).reshape(-1, g.shape[-1])).to(wd_dt)
-        # the product's backward, as eager's mul; freed as soon as possible (3 intermediates at most)
-        gu = gp * s
+        gwd = gg = gu = None
+        if ctx.needs_input_grad[2]:
+            gwd = (go.t() @ (s * u).to(wd_.dtype).reshape(-1, g.shape[-1])).to(ctx.wd_dtype)
+        # the product's backward, as eager's mul, each intermediate dropped after its last use
+        if ctx.needs_input_grad[1]:
+            gu = (gp * s).to(u.dtype)
         del s
-        gs = gp * u
-        del gp
-        gg = _silu_backward(gs, g)
-        del gs
-        gg2, gu2 = gg.reshape(-1, g.shape[-1]), gu.reshape(-1, g.shape[-1])
-        if need_x:    # one gradient per projection, each cast back to x's dtype, then summed (as eager)
-            gx = ((gg2 @ wg_).to(x_dt) + (gu2 @ wu_).to(x_dt)).view(xc.shape)
-        x2 = xc.reshape(-1, xc.shape[-1])
-        if need_g:
-            gwg = (gg2.t() @ x2).to(wg_dt)
-        if need_u:
-            gwu = (gu2.t() @ x2).to(wu_dt)
-        return gx, gwg, gwu, gwd, None
+        if ctx.needs_input_grad[0]:
+            gs = (gp * u).to(g.dtype)
+            del gp
+            gg = _silu_backward(gs, g)
+        return gg, gu, gwd, None
 
 
 class _SiluMul(torch.autograd.Function):
@@ -141,10 +130,10 @@ def _norm_forward(self, hidden_states):
 def _mlp_forward(self, x):
     if not torch.is_grad_enabled():
         return type(self).forward(self, x)
+    g, u = self.gate_proj(x), self.up_proj(x)
     if self._nbtrain_lean_fused:
-        return _SwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                             _autocast_dtype(x))
-    return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+        return _SiluMulDown.apply(g, u, self.down_proj.weight, _autocast_dtype(g))
+    return self.down_proj(_SiluMul.apply(g, u))
 
 
 def _is_norm(m: torch.nn.Module) -> bool:
@@ -187,7 +176,7 @@ class LeanLayers:
     """What ``lean_layers`` changed; ``undo()`` gives every module its class's forward back."""
 
     mlps: list = field(default_factory=list)
-    fused: int = 0                       # of the MLPs, those run as one function (plain Linear projections)
+    fused: int = 0                       # of the MLPs, those whose down projection runs in the function
     norms: list = field(default_factory=list)
     skipped: list = field(default_factory=list)   # class names that looked alike but computed otherwise
 
@@ -200,7 +189,7 @@ class LeanLayers:
     def describe(self) -> str:
         if not (self.mlps or self.norms):
             return "lean_layers: no Llama-style SwiGLU MLP or RMSNorm found; nothing changed"
-        s = (f"lean_layers: {len(self.mlps)} MLPs ({self.fused} fused with their projections) and "
+        s = (f"lean_layers: {len(self.mlps)} MLPs ({self.fused} with their down projection) and "
              f"{len(self.norms)} RMSNorms keep less for backward")
         return s + (f"; left alone: {', '.join(sorted(set(self.skipped)))}" if self.skipped else "")
 
@@ -208,14 +197,14 @@ class LeanLayers:
 def lean_layers(model: torch.nn.Module) -> LeanLayers:
     """Make the model's SwiGLU MLPs and trainable RMSNorms recompute cheap intermediates in backward instead
     of keeping them (in place; equal results; ``.undo()`` restores). Call after the method (LoRA) is applied:
-    which MLPs run fused depends on whether their projections are still plain ``nn.Linear`` layers."""
+    which MLPs take their down projection in depends on whether it is still a plain ``nn.Linear``."""
     out = LeanLayers()
     verdict: dict[tuple, bool] = {}
     for m in model.modules():
         if "forward" in m.__dict__:
             continue          # already lean, or someone else's instance-level forward
         if _is_mlp(m):
-            fused = all(_plain(getattr(m, a)) for a in ("gate_proj", "up_proj", "down_proj"))
+            fused = _plain(m.down_proj)
             key = (type(m), type(m.act_fn), fused)    # one class may hold several activations
             if key not in verdict:
                 m._nbtrain_lean_fused = fused
