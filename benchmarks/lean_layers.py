@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import statistics
 import sys
@@ -45,13 +46,14 @@ def _model(shape: dict, device: str):
     return Qwen2Model(cfg).to(device).train()
 
 
-def _step(model, ids, proj, amp, after_forward=None) -> None:
+def _step(model, ids, proj, amp, probe=None):
+    """One forward and backward; returns ``probe()`` taken between the two (what the forward left)."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(**amp):
         h = model(input_ids=ids).last_hidden_state
-    if after_forward:
-        after_forward()
+    seen = probe() if probe else None
     (h.float() * proj).sum().backward()
+    return seen
 
 
 def _sync(device):
@@ -96,13 +98,13 @@ def run(device: str, precision: str, shape: dict, repeats: int, warmup: int = 2)
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            _step(model, ids, proj, amp, lambda: kept.__setitem__(v, torch.cuda.memory_allocated() - base))
+            kept[v] = _step(model, ids, proj, amp, torch.cuda.memory_allocated) - base
             _sync(device)
             peaks[v] = torch.cuda.max_memory_allocated() - base
         else:
             keep = list(model.parameters()) + list(model.buffers()) + [ids, proj]
             with LiveTensorBytes({t.untyped_storage()._cdata for t in keep}) as tr:
-                _step(model, ids, proj, amp, lambda: kept.__setitem__(v, tr.now))
+                kept[v] = _step(model, ids, proj, amp, functools.partial(getattr, tr, "now"))
             peaks[v] = tr.peak
         grads[v] = {n: p.grad.clone() for n, p in model.named_parameters()}
     use("eager")
