@@ -32,7 +32,9 @@ Parts (bytes):
   linear in T), except fp32 with grouped kv heads on CUDA, where only the math kernel exists: scaled
   q, k and v repeated to all heads, and the heads*T*T softmax. Rows are full length (no padding mask).
   With gradient checkpointing each layer keeps only its fp32 input (4h per token) and is recomputed,
-  one at a time, in backward.
+  one at a time, in backward. With ``lean_layers`` (nbtrain.models.lean) a trainable RMSNorm does not keep
+  its normalised input (4h) and the MLP neither SiLU's output nor the product (2 x i x s each; the product
+  stays kept where an adapter wraps the down projection); the MLP's backward then holds three intermediates, not two.
 * logits and loss: the logits N*V*s exist at the end of the forward (the loop keeps no reference to them
   past the loss); the loss (over all N rows: the loop shifts the labels, not the logits) adds an fp32 copy
   (under autocast) and
@@ -55,9 +57,9 @@ recomputation under checkpointing), the embedding's backward, and the optimizer 
 ``grad_accum_steps > 1`` the gradients of the earlier micro-batches coexist with the activations.
 
 Advice (only when the total does not fit) follows the out-of-memory flow: (1) lower
-micro_batch_size and raise grad_accum_steps to keep the effective batch, (2) enable gradient
-checkpointing, then the chunked loss (causal LM), (3) switch full -> LoRA -> QLoRA, (4) shorten
-max_seq_len. A step is taken only when it lowers the estimate. Each item is cumulative:
+micro_batch_size and raise grad_accum_steps to keep the effective batch, (2) enable lean_layers
+(Llama-style layers), gradient checkpointing, then the chunked loss (causal LM), (3) switch full -> LoRA
+-> QLoRA, (4) shorten max_seq_len. A step is taken only when it lowers the estimate. Each item is cumulative:
 its ``change`` holds all overrides so far, so ``cfg.replace(**advice[k].change)`` is the config whose
 estimate ``advice[k].total_gib`` is; the list stops at the first that fits.
 """
@@ -873,6 +875,12 @@ def _advise(cfg: TrainConfig, dev: str, total: float, name: str) -> list[Advice]
                    f"micro_batch_size {mb} -> {d}, grad_accum_steps {cfg.grad_accum_steps} -> "
                    f"{cfg.grad_accum_steps * (mb // d)} (same effective batch {cfg.effective_batch_size})")
                   for d in smaller]):
+        return advice
+    # 2a. lean layers: the MLP and the norms recompute their cheap intermediates (a few % of the time, where
+    # checkpointing costs ~30%); no change for other architectures or under compile, so first_fit skips it there
+    if not cfg.lean_layers and first_fit(
+            [({"lean_layers": True}, "lean_layers on (MLP and norms recompute SiLU, product, normalised input; "
+                                     "same results)")]):
         return advice
     # 2. gradient checkpointing: keep each layer's input only, recompute the rest in backward
     if not cfg.gradient_checkpointing and first_fit(

@@ -241,7 +241,7 @@ def test_advice_makes_a_config_that_does_not_fit_fit():
     again = estimate_memory(final, device="cpu", device_total_gib=limit)
     assert again.fits and again.total_gib == pytest.approx(est.advice[-1].total_gib)
     keys = [k for a in est.advice for k in a.change if k not in ("grad_accum_steps",)]
-    order = ["micro_batch_size", "gradient_checkpointing", "chunked_loss", "method", "max_seq_len"]
+    order = ["micro_batch_size", "lean_layers", "gradient_checkpointing", "chunked_loss", "method", "max_seq_len"]
     firsts = [k for i, k in enumerate(keys) if k not in keys[:i]]
     assert firsts == sorted(firsts, key=order.index)
 
