@@ -52,10 +52,13 @@ class _SiluMulDown(torch.autograd.Function):
         g, u, wd_ = ctx.saved_tensors
         s = F.silu(g)                                     # recomputed: not kept since the forward
         go = grad_out.reshape(-1, grad_out.shape[-1])
-        gp = (go @ wd_).view(g.shape)
         gwd = gg = gu = None
-        if ctx.needs_input_grad[2]:
-            gwd = (go.t() @ (s * u).to(wd_.dtype).reshape(-1, g.shape[-1])).to(ctx.wd_dtype)
+        if ctx.needs_input_grad[2]:   # first, while only the SiLU output is alive beside the weight's gradient
+            p = (s * u).to(wd_.dtype).reshape(-1, g.shape[-1])
+            gwd = go.t() @ p
+            del p
+            gwd = gwd.to(ctx.wd_dtype)
+        gp = (go @ wd_).view(g.shape)
         # the product's backward, as eager's mul, each intermediate dropped after its last use
         if ctx.needs_input_grad[1]:
             gu = (gp * s).to(u.dtype)
