@@ -89,7 +89,7 @@ class TrainConfig(BaseModel):
                                    "logits take tokens x vocab x 4 bytes)")
     lean_layers: bool = Field(False, description="Llama-style layers keep less for backward: the SwiGLU MLP and "
                                                  "RMSNorm recompute their cheap intermediates (equal results, less "
-                                                 "activation memory; no effect under compile)")
+                                                 "activation memory; not applied under compile)")
     compile: bool = Field(False, description="torch.compile each model layer (the first steps pay the compile time)")
     auto_batch_size: bool = Field(False, description="find the largest micro batch that fits and raise "
                                                      "grad_accum_steps to keep the effective batch")

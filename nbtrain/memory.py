@@ -612,10 +612,10 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
 
     # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
     # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
-    # nbtrain.models.lean applies to Llama-style layers, and not under compile (whose graphs recompute alike)
+    # nbtrain.models.lean applies to Llama-style layers, and not under compile (the estimate models eager layers)
     lean = cfg.lean_layers and not cfg.compile and arch.llama_like
     if cfg.lean_layers and not lean:
-        notes.append("lean_layers: no effect here (" + ("compile=True recomputes on its own" if cfg.compile
+        notes.append("lean_layers: no effect here (" + ("not applied under compile=True" if cfg.compile
                      else f"{arch.model_type} has no Llama-style MLP and RMSNorm") + ")")
     math_seq = T if device == "cuda" and ac is None and arch.kv_heads < arch.heads else 0
     if math_seq:

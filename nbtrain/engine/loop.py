@@ -254,8 +254,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         lean = None
         if cfg.lean_layers:   # before the batch-size probe, which should measure what training will keep
             if cfg.compile:
-                notes.append("lean_layers: not applied under compile=True (the compiled layers recompute their "
-                             "pointwise intermediates on their own)")
+                notes.append("lean_layers: not applied under compile=True (the compiled graph chooses what backward "
+                             "keeps; lean's functions would be traced through for no further saving)")
             else:
                 lean = lean_layers(model)
                 notes.append(lean.describe())
