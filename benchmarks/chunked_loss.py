@@ -23,8 +23,6 @@ peak of live tensor storages traced per op (a separate, untimed pass).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
 import sys
 import time
@@ -34,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import meta, write  # noqa: E402
 from nbtrain.engine.losses import head_loss_sum  # noqa: E402
 from nbtrain.engine.telemetry import LiveTensorBytes  # noqa: E402
-from nbtrain.hardware import capabilities  # noqa: E402
 
 SHAPES = {"cuda": dict(tokens=8 * 1023, hidden=896, vocab=151936, chunk=1024),
           "cpu": dict(tokens=1024, hidden=128, vocab=32000, chunk=256)}
@@ -153,20 +152,9 @@ def main(argv=None) -> dict:
     shape = dict(SHAPES[device])
     shape.update({k: v for k, v in (("tokens", args.tokens), ("vocab", args.vocab)) if v})
     repeats = args.repeats or (10 if device == "cuda" else 5)
-    name = torch.cuda.get_device_name() if device == "cuda" else capabilities("cpu").name
-    res = {"meta": {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
-                    "device_name": name, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "shape": shape, "repeats": repeats},
+    res = {"meta": meta(device, shape, repeats),
            "precisions": [run(device, p, shape, repeats) for p in args.precisions.split(",")]}
-    md = markdown(res)
-    print(md)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"chunked_loss_{device}"
-        (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
-        (out / f"{stem}.md").write_text(md)
-        print(f"wrote {out / stem}.json (+ .md)")
+    write(args.out, f"chunked_loss_{device}", res, markdown(res))
     return res
 
 

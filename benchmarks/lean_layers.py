@@ -17,8 +17,6 @@ live tensor storages traced per op (a separate, untimed pass). Either way the we
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
 import sys
 import time
@@ -27,9 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import meta, write  # noqa: E402
 from nbtrain.engine.loop import compile_blocks, uncompile  # noqa: E402
 from nbtrain.engine.telemetry import LiveTensorBytes  # noqa: E402
-from nbtrain.hardware import capabilities  # noqa: E402
 from nbtrain.models.lean import lean_layers  # noqa: E402
 
 SHAPES = {"cuda": dict(batch=8, seq=1024, layers=4, hidden=896, intermediate=4864, heads=14, kv_heads=2),
@@ -195,20 +194,9 @@ def main(argv=None) -> dict:
     if args.seq:
         shape["seq"] = args.seq
     repeats = args.repeats or (10 if device == "cuda" else 5)
-    name = torch.cuda.get_device_name() if device == "cuda" else capabilities("cpu").name
-    res = {"meta": {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
-                    "device_name": name, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "shape": shape, "repeats": repeats},
+    res = {"meta": meta(device, shape, repeats),
            "precisions": [run(device, p, shape, repeats, compiled=args.compile) for p in args.precisions.split(",")]}
-    md = markdown(res)
-    print(md)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"lean_layers_{args.shape or device}"
-        (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
-        (out / f"{stem}.md").write_text(md)
-        print(f"wrote {out / stem}.json (+ .md)")
+    write(args.out, f"lean_layers_{args.shape or device}", res, markdown(res))
     return res
 
 
