@@ -50,7 +50,9 @@ Parts (bytes):
 
 The total is not the sum of the parts: it is the peak of a timeline of one training step. Weights
 and optimizer state are always there; gradients (``set_to_none``) appear during backward, as the
-activations they replace are freed. So the peak is the largest of: the end of the forward,
+activations they replace are freed. So the peak is the largest of: inside the last layer's forward
+(without checkpointing: all layers' activations plus that layer's short-lived tensors, e.g. a LoRA adapter's
+fp32 input copy and dropout output, large on the down projection), the end of the forward,
 the loss backward (all activations + logits + 12*N*V), the output layer's backward, each decoder
 layer's backward (remaining activations + gradients so far + that layer's transient, and its
 recomputation under checkpointing), the embedding's backward, and the optimizer step. With
@@ -734,6 +736,10 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     cache_only = sum(layer_cache) if ckpt else 0
     phases["forward"] = (G0 + acts + cache_only + logits + chunk_fwd,
                          "the chunked loss's forward (its gradients made there)" if fused else "the end of the forward")
+    if not ckpt:
+        # inside the last layer's forward: its short-lived tensors (an adapter's fp32 input copy and dropout
+        # output, the math kernel's scores) on top of everything the layers have kept
+        phases["last layer"] = (G0 + acts - head_saved + cache_only + fwd_extra * N, "the last layer's forward")
     # nbtrain.engine.loop.micro_loss_sum keeps no reference to the logits: after the loss's forward only the
     # autograd graph holds what backward needs (log_softmax's output, not the logits)
     phases["loss"] = (G0 + acts + loss_bwd, "the loss backward (log_softmax)")

@@ -386,3 +386,13 @@ def test_lean_layers_peak_matches_a_traced_step(mlp_heavy_model, method, precisi
     estimated, measured, phase = _traced(cfg.replace(lean_layers=True), precision)
     assert estimated == pytest.approx(measured, rel=0.03), (phase, measured)
     assert measured < eager * (1 - saved), (measured, eager)
+
+
+def test_lora_adapter_transient_in_the_last_layer_matches_a_traced_step(mlp_heavy_model):
+    """LoRA on a wide down projection: its adapter copies the input to fp32 and drops it out (N x i x 4 bytes
+    each) while every layer's activations are kept -- the step's peak, inside the last layer's forward."""
+    cfg = _cfg(model=mlp_heavy_model, method="lora", precision="bf16", micro_batch_size=8, max_seq_len=128,
+               chunked_loss=True, loss_chunk_tokens=128)
+    estimated, measured, phase = _traced(cfg, "bf16")
+    assert phase == "the last layer's forward"
+    assert estimated == pytest.approx(measured, rel=0.03), measured
