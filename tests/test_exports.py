@@ -370,3 +370,15 @@ def test_cli_export(tmp_path, capsys):
     assert main(["export", str(src), "--to", "accelerate-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["mixed_precision"] == "no"
     assert main(["export", str(tmp_path / "missing.yaml"), "--to", "autotrain"]) == 2
+
+
+def test_nbtrain_only_speed_and_memory_options_are_noted():
+    """chunked_loss, loss_chunk_tokens, compile and lean_layers have no key in either YAML format: each export
+    names them in its notes rather than dropping them silently."""
+    cfg = _config(precision="bf16", method="lora", output_dir="runs/x", data="org/corpus", packing=True,
+                  eval_fraction=0.0, chunked_loss=True, loss_chunk_tokens=512, compile=True, lean_layers=True)
+    for export in (ex.llamafactory_config, ex.autotrain_config):
+        _, notes = export(cfg)
+        assert set(ex.NBTRAIN_ONLY) <= set(notes), export.__name__
+        assert "lean_layers=True is an nbtrain speed/memory option" in notes["lean_layers"]
+    assert not set(ex.NBTRAIN_ONLY) & set(ex.llamafactory_config(_config(output_dir="runs/x"))[1])

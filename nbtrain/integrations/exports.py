@@ -174,6 +174,10 @@ def nbtrain_optimizer_and_scheduler(cfg: TrainConfig, model, total_steps: int):
 # -----------------------------------------------------------------------------------------------------------
 # shared helpers
 # -----------------------------------------------------------------------------------------------------------
+# speed/memory options of nbtrain's own loop: no other tool has their keys, and a run without them computes the same
+NBTRAIN_ONLY = ("chunked_loss", "loss_chunk_tokens", "compile", "lean_layers")
+
+
 def _non_default_notes(cfg: TrainConfig, fields: tuple[str, ...], why: str) -> dict[str, str]:
     """Notes for fields the format cannot carry, when they differ from nbtrain's default."""
     out = {}
@@ -359,6 +363,8 @@ def _llamafactory_sections(cfg: TrainConfig) -> tuple[dict[str, dict[str, Any]],
         notes["output_dir"] = "output_dir=None: written as 'runs/llamafactory' (LLaMA-Factory needs one)"
     notes.update(_non_default_notes(cfg, ("nonfinite", "auto_batch_size", "resume_from"),
                                     "has no LLaMA-Factory key"))
+    notes.update(_non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no LLaMA-Factory "
+                                                       "key (the same training without it)"))
     model = {"model_name_or_path": cfg.model}
     if cfg.method == "qlora":
         model.update(quantization_bit=cfg.quant_bits, quantization_method="bitsandbytes")
@@ -669,6 +675,8 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     notes.update(_non_default_notes(
         cfg, ("subset", "eval_every", "save_every", "nonfinite", "auto_batch_size", "resume_from"),
         "has no AutoTrain key"))
+    notes.update(_non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no AutoTrain key "
+                                                       "(the same training without it)"))
 
     path, split = _split_local_file(cfg.data)
     columns = {"text_column": cfg.text_column}
