@@ -33,8 +33,8 @@ Parts (bytes):
   q, k and v repeated to all heads, and the heads*T*T softmax. Rows are full length (no padding mask).
   With gradient checkpointing each layer keeps only its fp32 input (4h per token) and is recomputed,
   one at a time, in backward. With ``lean_layers`` (nbtrain.models.lean) a trainable RMSNorm does not keep
-  its normalised input (4h) and the MLP neither SiLU's output nor the product (2 x i x s each; the product
-  stays kept where an adapter wraps the down projection); the MLP's backward then holds three intermediates, not two.
+  its normalised input (4h) and the MLP neither SiLU's output nor the product (2 x i x s each; what an
+  adapter on the down projection keeps stays), its backward then holding three intermediates, not two.
 * logits and loss: the logits N*V*s exist at the end of the forward (the loop keeps no reference to them
   past the loss); the loss (over all N rows: the loop shifts the labels, not the logits) adds an fp32 copy
   (under autocast) and
@@ -612,13 +612,13 @@ def _parts(cfg: TrainConfig, precision: str, device: str, num_labels: int) -> _P
     if method == "qlora" and cfg.quant_bits == 8:
         notes.append("8-bit layers' activations are approximated as the 4-bit layers' (measured for 4-bit only)")
 
-    # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
-    # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
     # nbtrain.models.lean applies to Llama-style layers, and not under compile (the estimate models eager layers)
     lean = cfg.lean_layers and not cfg.compile and arch.llama_like
     if cfg.lean_layers and not lean:
         notes.append("lean_layers: no effect here (" + ("not applied under compile=True" if cfg.compile
                      else f"{arch.model_type} has no Llama-style MLP and RMSNorm") + ")")
+    # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
+    # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
     math_seq = T if device == "cuda" and ac is None and arch.kv_heads < arch.heads else 0
     if math_seq:
         notes.append("fp32 attention with grouped kv heads runs SDPA's math kernel on CUDA (T x T scores per "
