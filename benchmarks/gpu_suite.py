@@ -702,7 +702,8 @@ def markdown(res: dict) -> str:
     lines = [f"# nbtrain throughput suite — {m['device_name']} ({m['device']})", "",
              f"{m['date']} · shape {m['shape']} ({m['params'] / 1e6:.1f}M params) · batch {m['batch']} x seq "
              f"{m['seq_len']} · warm-up {m['warmup']} steps excluded · windows {m['windows']} (x{m['per_window']} steps;"
-             f" fp32/tf32 {m['slow_windows']} x{m['slow_per_window']}) · median of windows",
+             f" fp32/tf32 {m['slow_windows']} x{m['slow_per_window']}) · median of windows"
+             + (f" · {m['warm_pass']['row']} ran once, untimed, before the timed rows" if m.get("warm_pass") else ""),
              "", "versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val), "",
              f"wall {m.get('wall_s', 0):.0f} s; MFU = 6 x {m['params'] / 1e6:.0f}M x tokens/s / dense peak "
              f"({m['peak_tflops'] or 'unknown for this device'} TFLOP/s)", "",
@@ -745,7 +746,8 @@ def write(res: dict, out_dirs: list[Path], stem: str) -> list[Path]:
 
 
 def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], repeats: int = 1,
-        budget_s: Optional[float] = None, peaks_override: Optional[dict] = None, verbose: bool = True) -> dict:
+        budget_s: Optional[float] = None, peaks_override: Optional[dict] = None, verbose: bool = True,
+        warm_pass: bool = True) -> dict:
     t0 = time.perf_counter()
     try:   # "Loading weights" bars, one per row, would bury the results
         from transformers.utils import logging as hf_logging
@@ -782,10 +784,15 @@ def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], re
         print(f"[suite] {name}: {profile.shape} {n_params / 1e6:.1f}M params, data subset {subset}, "
               f"setup {meta['setup_s']} s", flush=True)
     order = run_order(rows, device, repeats)
+    # the first row once more before the timed ones, discarded: what a process does once (lazy imports, kernel
+    # and allocator set-up, the CPU clocking up) would otherwise be charged to whichever row runs first
+    warm_pass = warm_pass and bool(order)
+    if warm_pass:
+        order = [order[0]] + order
     runs: list[dict] = []
     ratios: list[float] = []
     res: dict = {"meta": meta, "rows": [], "checks": [], "runs": runs}
-    for row in order:
+    for i, row in enumerate(order):
         elapsed = time.perf_counter() - t_budget
         rec: dict = {"name": row.name, "impl": row.impl, "group": row.group, "precision": row.precision,
                      "method": row.method, "options": row.overrides, "note": row.note}
@@ -847,6 +854,11 @@ def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], re
                 except Exception:   # noqa: BLE001
                     pass
         rec["wall_s"] = round(time.perf_counter() - t_row, 2)
+        if warm_pass and i == 0:
+            meta["warm_pass"] = {"row": row.name, "wall_s": rec["wall_s"], "error": rec.get("error")}
+            if verbose:
+                print(f"[suite] warm pass ({row.name}, discarded): {rec['wall_s']} s", flush=True)
+            continue
         if "error" not in rec and not row.overrides.get("compile"):
             ratios.append(rec["wall_s"] / row.est_s)
         runs.append(rec)
@@ -893,6 +905,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: 1 with --cpu: on shared cores, OpenMP threads that wait for "
                          "each other turn other processes' load into 10x swings; 1 thread measures overhead steadily)")
+    ap.add_argument("--no-warm-pass", action="store_true",
+                    help="do not run the first row once, untimed, before the timed rows")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
 
@@ -937,7 +951,8 @@ def _main(args, device: str) -> dict:
     outs = [Path(args.out)] if args.out else []
     if os.environ.get("OUT"):
         outs.append(Path(os.environ["OUT"]))
-    res = run(rows, device, profile, outs, repeats=repeats, budget_s=args.budget_s, peaks_override=peaks)
+    res = run(rows, device, profile, outs, repeats=repeats, budget_s=args.budget_s, peaks_override=peaks,
+              warm_pass=not args.no_warm_pass)
     print()
     print(markdown(res))
     for p in res.get("paths", []):
