@@ -882,17 +882,17 @@ def _advise(cfg: TrainConfig, dev: str, total: float, name: str) -> list[Advice]
                    f"{cfg.grad_accum_steps * (mb // d)} (same effective batch {cfg.effective_batch_size})")
                   for d in smaller]):
         return advice
-    # 2a. lean layers: the MLP and the norms recompute their cheap intermediates (a few % of the time, where
+    # 2. lean layers: the MLP and the norms recompute their cheap intermediates (a few % of the time, where
     # checkpointing costs ~30%); no change for other architectures or under compile, so first_fit skips it there
     if not cfg.lean_layers and first_fit(
             [({"lean_layers": True}, "lean_layers on (MLP and norms recompute SiLU, product, normalised input; "
                                      "same results)")]):
         return advice
-    # 2. gradient checkpointing: keep each layer's input only, recompute the rest in backward
+    # 2b. gradient checkpointing: keep each layer's input only, recompute the rest in backward
     if not cfg.gradient_checkpointing and first_fit(
             [({"gradient_checkpointing": True}, "gradient_checkpointing on (~30% more compute)")]):
         return advice
-    # 2b. the loss chunk by chunk (nbtrain's chunked_loss): the vocabulary-sized logits never exist whole
+    # 2c. the loss chunk by chunk (nbtrain's chunked_loss): the vocabulary-sized logits never exist whole
     if cfg.task == "causal-lm" and not cfg.chunked_loss and first_fit(
             [({"chunked_loss": True}, f"chunked_loss on (the output layer and loss {cfg.loss_chunk_tokens} "
                                       "tokens at a time; same loss)")]):

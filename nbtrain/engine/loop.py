@@ -259,11 +259,12 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             else:
                 lean = lean_layers(model)
                 notes.append(lean.describe())
+        chunked = cfg.chunked_loss and data.task == "causal-lm"
         if cfg.auto_batch_size:
-            cfg, note = _auto_batch_size(cfg, model, params, data, spec, device)
+            cfg, note = _auto_batch_size(cfg, model, params, data, spec, device,
+                                         cfg.loss_chunk_tokens if chunked else None)
             notes.append(note)
         fwd_model = wrap_ddp(model, dist_ctx) if dist_ctx else model
-        chunked = cfg.chunked_loss and data.task == "causal-lm"
         loss_parts = None
         if chunked:
             if dist_ctx:
@@ -500,7 +501,8 @@ def _check_resumable(saved: dict, cfg: TrainConfig, path: str) -> None:
         raise CheckpointError(f"cannot resume from {path}: the config differs in {detail}")
 
 
-def _auto_batch_size(cfg: TrainConfig, model, params, data, spec, device) -> tuple[TrainConfig, str]:
+def _auto_batch_size(cfg: TrainConfig, model, params, data, spec, device,
+                     chunk_tokens: Optional[int]) -> tuple[TrainConfig, str]:
     """Largest micro batch (a divisor of the effective batch) whose forward+backward on the longest rows fits."""
     from ..data import collate
 
@@ -513,9 +515,7 @@ def _auto_batch_size(cfg: TrainConfig, model, params, data, spec, device) -> tup
         rows = [data.train[longest[i % len(longest)]] for i in range(m)]
         mb = collate(rows, data.pad_token_id, data.task).to(device)
         try:   # the same forward and loss as the run's (chunked or not)
-            micro_loss_sum(model, mb, data.task, spec, device,
-                           cfg.loss_chunk_tokens if cfg.chunked_loss and data.task == "causal-lm" else None
-                           ).backward()
+            micro_loss_sum(model, mb, data.task, spec, device, chunk_tokens).backward()
             chosen = m
         except (torch.OutOfMemoryError, MemoryError):
             tried.append(m)

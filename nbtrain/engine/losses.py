@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .precision import active_autocast_dtype
+
 
 class ChunkedLossError(ValueError):
     """The model cannot use the chunked loss; the message says why and what to do."""
@@ -171,8 +173,7 @@ def head_loss_sum(head, h: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 10
     if fused is None:
         fused = can_fuse
     if fused:
-        dev = h.device.type
-        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
+        cdtype = active_autocast_dtype(h.device.type) or head.weight.dtype
         if not torch.is_grad_enabled():   # evaluation: no gradients to make
             return _fused_chunks(h, head.weight, head.bias, y, chunk_tokens, cdtype, False, False, False)[0]
         return _LinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk_tokens, cdtype, compiled)

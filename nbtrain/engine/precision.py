@@ -32,6 +32,11 @@ def autocast(spec: PrecisionSpec, device_type: str):
     return torch.autocast(device_type=device_type, dtype=spec.autocast_dtype)
 
 
+def active_autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast casts to right now on this device type; None when autocast is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 def make_scaler(spec: PrecisionSpec, device_type: str) -> torch.amp.GradScaler:
     """A GradScaler that is a no-op unless the precision needs loss scaling."""
     return torch.amp.GradScaler(device_type, enabled=spec.scaler)

@@ -9,11 +9,12 @@ Eager autograd keeps, per token and decoder layer, more than backward needs:
 Here the MLP keeps gate(x) and up(x), and the norm its input and the per-row scale; what backward needs
 beyond that (the SiLU, the product, the normalised input) is recomputed there by a few pointwise ops. The ops
 and their order are those of eager autograd, so losses and gradients are equal bit for bit to the unchanged
-model's (tests/test_lean.py). At Qwen2.5-0.5B's shape (bf16, 8 x 1024) that is 4.9 GiB less.
+model's (tests/test_lean.py). At Qwen2.5-0.5B's shape (bf16, 8 x 1024, full) nbtrain.memory estimates
+4.9 GiB less.
 
 The product and the down projection run as one autograd function when ``down_proj`` is a plain bias-free
-``nn.Linear`` (full fine-tuning; a forward hook on it does not fire then); otherwise (LoRA, QLoRA) the
-product alone is, and the SiLU output is what is saved. A module class is taken only after its own forward
+``nn.Linear`` (full fine-tuning; a forward hook on it does not fire then). Otherwise (LoRA, QLoRA) only
+``silu(gate) * up`` is one: the SiLU output is not kept, and the down projection keeps what it kept before. A module class is taken only after its own forward
 and the lean one agree on a probe input, so a look-alike with other arithmetic (Gemma's ``1 + weight``
 norm, a GELU MLP) is left alone.
 """
@@ -26,12 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..engine.precision import active_autocast_dtype
+
 _silu_backward = torch.ops.aten.silu_backward
-
-
-def _autocast_dtype(x: torch.Tensor):
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
 class _SiluMulDown(torch.autograd.Function):
@@ -135,7 +133,7 @@ def _mlp_forward(self, x):
         return type(self).forward(self, x)
     g, u = self.gate_proj(x), self.up_proj(x)
     if self._nbtrain_lean_fused:
-        return _SiluMulDown.apply(g, u, self.down_proj.weight, _autocast_dtype(g))
+        return _SiluMulDown.apply(g, u, self.down_proj.weight, active_autocast_dtype(g.device.type))
     return self.down_proj(_SiluMul.apply(g, u))
 
 

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from ..engine.precision import active_autocast_dtype
 from .loading import CAUSAL_LM, SEQ_CLS, ModelError, head_module_names, linear_module_names, \
     load_base_model
 
@@ -116,11 +117,9 @@ def prepare_qlora(model: torch.nn.Module, cfg) -> torch.nn.Module:
 def _quantized_input_hook(module, args, kwargs):
     x = args[0] if args else None
     if isinstance(x, torch.Tensor) and x.is_floating_point():
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            dt = torch.get_autocast_dtype(dev)
-            if x.dtype != dt:
-                return (x.to(dt), *args[1:]), kwargs
+        dt = active_autocast_dtype(x.device.type)
+        if dt is not None and x.dtype != dt:
+            return (x.to(dt), *args[1:]), kwargs
     return None
 
 
