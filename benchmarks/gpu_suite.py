@@ -34,6 +34,8 @@ would not fit (``--budget-s``, default 330 s on CUDA).
     python benchmarks/gpu_suite.py --rows 'nbtrain:bf16*,bare:bf16'    # names or fnmatch patterns
     python benchmarks/gpu_suite.py --list          # the rows and their order
     python benchmarks/gpu_suite.py --cpu           # the tiny preset on the CPU, CI-sized (~30-60 s on 2 cores)
+    python benchmarks/gpu_suite.py --cpu --plan cuda --shape qwen-micro --seq-len 64 --warmup 1 --windows 2 \
+        --per-window 1 --out /tmp/dry                # every GPU row's code path on a CPU (~1 min; tf32 rows error)
 """
 
 from __future__ import annotations
@@ -891,6 +893,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--cpu", action="store_true", help="the CPU profile: the tiny preset, CI-sized")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="auto: CUDA when available (--list --device cuda shows the GPU plan anywhere)")
+    ap.add_argument("--plan", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="whose rows to run (auto: the device's); --plan cuda on a CPU runs the GPU rows' code paths "
+                         "at a small shape before device time is spent on them")
     ap.add_argument("--quick", action="store_true", help="fewer rows (see QUICK)")
     ap.add_argument("--rows", default=None, help="comma-separated row names, fnmatch patterns or group names")
     ap.add_argument("--list", action="store_true", help="print the rows and exit")
@@ -935,12 +940,13 @@ def _main(args, device: str) -> dict:
         profile = Profile(**{**profile.__dict__, **changes,
                              **({"slow_windows": changes["windows"]} if "windows" in changes else {}),
                              **({"slow_per_window": changes["per_window"]} if "per_window" in changes else {})})
-    rows = select_rows(suite_rows(device), args.rows, args.quick, device)
+    plan = device if args.plan == "auto" else args.plan
+    rows = select_rows(suite_rows(plan), args.rows, args.quick, plan)
     repeats = args.repeats if args.repeats is not None else (2 if device == "cuda" and not args.quick else 1)
     if args.list or not rows:
         if not rows:
             print(f"[suite] no row matches {args.rows!r}; the rows are:")
-        order = run_order(rows, device, repeats) if rows else suite_rows(device)
+        order = run_order(rows, device, repeats) if rows else suite_rows(plan)
         for r in order:
             print(f"{r.name:40s} group={r.group:8s} ~{r.est_s:.0f}s  {r.note}")
         print(f"{len(order)} runs, ~{sum(r.est_s for r in order):.0f} s estimated (H200) plus ~20 s setup")

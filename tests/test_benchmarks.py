@@ -76,6 +76,20 @@ def test_gpu_path_on_a_micro_qwen(suite, tmp_path):
     assert rows["nbtrain:lora"]["final_loss"] == pytest.approx(rows["bare:lora"]["final_loss"], rel=1e-3)
 
 
+def test_gpu_plan_rows_run_on_cpu(suite, tmp_path):
+    """--plan cuda runs GPU rows' code paths on a CPU, so a row that would crash (a TrainingArguments field this
+    transformers lacks, QLoRA through the Trainer, padding, eager attention) shows before device time is spent."""
+    names = ["nbtrain:bf16+padding", "bare:bf16-sdpa", "trainer:qlora", "trainer:fp16"]
+    res = suite.main(["--cpu", "--plan", "cuda", "--shape", "qwen-micro", "--seq-len", "64", "--rows", ",".join(names),
+                      "--warmup", "1", "--windows", "2", "--per-window", "1", "--no-warm-pass", "--out", str(tmp_path)])
+    rows = {r["name"]: r for r in res["rows"]}
+    assert set(rows) == set(names)
+    for r in rows.values():
+        assert "error" not in r, r
+        assert math.isfinite(r["final_loss"]) and r["same_tokens"]
+    assert rows["nbtrain:bf16+padding"]["padding_share"] > 0
+
+
 def test_qwen_shape_is_0_5b(suite):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config

@@ -40,7 +40,9 @@ def test_training_arguments_fields():
     assert args.max_steps == 30 and args.max_grad_norm == 0.0   # None: no clipping (the norm is still logged)
     assert args.eval_strategy.value == "steps" and args.eval_steps == 10
     assert args.save_strategy.value == "steps" and args.save_steps == 15
-    assert args.activation_checkpointing and args.output_dir == "runs/t"
+    # whichever name this transformers takes (5.17: gradient_checkpointing only; 5.24: activation_ preferred)
+    assert getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing
+    assert args.output_dir == "runs/t"
     assert args.report_to in ("none", [], ["none"])
     assert not args.logging_nan_inf_filter
     lora = args.peft_config

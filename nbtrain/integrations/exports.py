@@ -69,6 +69,18 @@ def _hf_scheduler(cfg: TrainConfig) -> str:
     return "constant_with_warmup" if cfg.scheduler == "constant" and cfg.warmup_steps else cfg.scheduler
 
 
+def _checkpointing_arg() -> str:
+    # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (5.24 takes both, the old one
+    # deprecated; 5.17 only the old one): the new name where this install's TrainingArguments has it
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return "activation_checkpointing"
+    names = set(getattr(TrainingArguments, "__dataclass_fields__", {}))
+    return "gradient_checkpointing" if "activation_checkpointing" not in names and "gradient_checkpointing" in names \
+        else "activation_checkpointing"
+
+
 def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None,
                               **overrides: Any) -> dict[str, Any]:
     """The keyword arguments of ``to_training_arguments`` (plain values, JSON-friendly)."""
@@ -96,9 +108,10 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
         logging_nan_inf_filter=False,
         eval_strategy="steps" if cfg.eval_every else "no",
         save_strategy="steps" if cfg.save_every else "no",
-        activation_checkpointing=cfg.gradient_checkpointing,   # transformers 5's name for it
         report_to="none",
     )
+    ckpt = _checkpointing_arg()
+    kw[ckpt] = cfg.gradient_checkpointing
     if cfg.epochs is not None:
         kw["num_train_epochs"] = cfg.epochs   # the Trainer, like nbtrain, lets max_steps win when both are set
     if cfg.eval_every:
@@ -106,7 +119,7 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
     if cfg.save_every:
         kw["save_steps"] = cfg.save_every
     if cfg.gradient_checkpointing:
-        kw["activation_checkpointing_kwargs"] = {"use_reentrant": False}   # nbtrain's checkpointing style
+        kw[f"{ckpt}_kwargs"] = {"use_reentrant": False}   # nbtrain's checkpointing style
     if precision in ("fp16", "bf16", "tf32"):
         kw[precision] = True
     if device == "cpu":
