@@ -52,6 +52,29 @@ def test_training_arguments_fields():
     assert ex.peft_and_quant_configs(cfg)[0].r == 4
 
 
+def test_training_arguments_checkpointing_name_follows_transformers(monkeypatch):
+    """transformers 5.17 (the H200's) knows only gradient_checkpointing; later 5.x prefer activation_checkpointing.
+    The kwargs use the name the installed TrainingArguments takes, so the Trainer builds under either."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    @dataclasses.dataclass
+    class Old:   # the fields of a transformers without the rename
+        gradient_checkpointing: bool = False
+        gradient_checkpointing_kwargs: dict = None
+
+    assert ex._checkpointing_arg(Old) == "gradient_checkpointing"
+    new = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ \
+        else "gradient_checkpointing"
+    assert ex._checkpointing_arg() == new
+    cfg = _config(gradient_checkpointing=True, max_steps=5)
+    monkeypatch.setattr(ex, "_checkpointing_arg", lambda: "gradient_checkpointing")
+    kw = ex.training_arguments_kwargs(cfg)
+    assert kw["gradient_checkpointing"] is True and kw["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert not any(k.startswith("activation_checkpointing") for k in kw)
+
+
 def test_training_arguments_precision_epochs_and_qlora():
     cfg = _config(precision="fp16", method="qlora", quant_bits=4, max_steps=None, epochs=2.0, scheduler="cosine")
     args = cfg.to_training_arguments(output_dir="out/x", logging_steps=7)

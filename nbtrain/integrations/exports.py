@@ -69,14 +69,15 @@ def _hf_scheduler(cfg: TrainConfig) -> str:
     return "constant_with_warmup" if cfg.scheduler == "constant" and cfg.warmup_steps else cfg.scheduler
 
 
-def _checkpointing_arg() -> str:
+def _checkpointing_arg(args_cls: Any = None) -> str:
     # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (5.24 takes both, the old one
     # deprecated; 5.17 only the old one): the new name where this install's TrainingArguments has it
-    try:
-        from transformers import TrainingArguments
-    except ImportError:
-        return "activation_checkpointing"
-    names = set(getattr(TrainingArguments, "__dataclass_fields__", {}))
+    if args_cls is None:
+        try:
+            from transformers import TrainingArguments as args_cls
+        except ImportError:
+            return "activation_checkpointing"
+    names = set(getattr(args_cls, "__dataclass_fields__", {}))
     return "gradient_checkpointing" if "activation_checkpointing" not in names and "gradient_checkpointing" in names \
         else "activation_checkpointing"
 
