@@ -25,10 +25,11 @@ class ProgressBar:
                         file=sys.stderr, dynamic_ncols=True)
 
     def on_step_end(self, rec):
-        self.bar.update(1)
         if rec.step % self.log_every == 0:
             flags = " SKIPPED" if rec.skipped else (" NONFINITE" if rec.nonfinite else "")
-            self.bar.set_postfix_str(f"loss={rec.loss:.4f} tok/s={rec.tokens_per_s:,.0f}{flags}")
+            # no redraw of its own: update() draws the new postfix with the step, at most once per mininterval
+            self.bar.set_postfix_str(f"loss={rec.loss:.4f} tok/s={rec.tokens_per_s:,.0f}{flags}", refresh=False)
+        self.bar.update(1)
 
     def on_eval(self, rec):
         self.bar.write(f"step {rec.step}: eval_loss={rec.eval_loss:.4f}")

@@ -358,3 +358,24 @@ def test_demo_writes_three_row_table_and_report(tmp_path, capsys):
     rows = [w for w in firsts if w in ("fp32", "bf16", "fp16")]
     assert rows[:3] == ["fp32", "bf16", "fp16"]
     assert report.stat().st_size > 1_000_000
+
+
+def test_cli_progress_bar_draws_once_per_step_with_that_steps_loss(capsys):
+    """The command line's bar: one redraw per step at most (a piped log gets one line per step, not two), and
+    the postfix drawn with a step is that step's loss; skipped steps are flagged."""
+    from types import SimpleNamespace
+
+    from nbtrain.cli import ProgressBar
+
+    bar = ProgressBar()
+    bar.on_run_start(SimpleNamespace(variant=None, total_steps=50, precision_used="fp16"))
+    bar.bar.mininterval = 0   # every step is allowed a redraw: the test counts redraws, not time
+    for step in range(1, 51):
+        bar.on_step_end(SimpleNamespace(step=step, loss=10.0 - step / 10, tokens_per_s=1000.0, skipped=step == 50,
+                                        nonfinite=False))
+    bar.on_run_end(None)
+    err = capsys.readouterr().err
+    draws = [d for d in err.replace("\r", "\n").splitlines() if "step" in d]
+    assert len(draws) <= 50 + 2                  # one per step, plus the opening and closing draws
+    assert "50/50" in draws[-1] and "loss=5.0000" in draws[-1] and "SKIPPED" in draws[-1]
+    assert any("10/50" in d and "loss=9.0000" in d for d in draws)
