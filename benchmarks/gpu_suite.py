@@ -803,7 +803,8 @@ def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], re
         need = row.est_s if row.overrides.get("compile") else row.est_s * scale
         if budget and elapsed + need > budget:
             rec["skipped"] = f"time budget: {elapsed:.0f} s used of {budget:.0f} s, row needs ~{need:.0f} s"
-            runs.append(rec)
+            if not (warm_pass and i == 0):   # the warm pass is no row of the results; its row is skipped next
+                runs.append(rec)
             if verbose:
                 print(f"[suite] skip {row.name}: {rec['skipped']}", flush=True)
             continue

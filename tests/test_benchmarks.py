@@ -90,6 +90,15 @@ def test_gpu_plan_rows_run_on_cpu(suite, tmp_path):
     assert rows["nbtrain:bf16+padding"]["padding_share"] > 0
 
 
+def test_rows_past_the_budget_are_skipped_once(suite, tmp_path):
+    """A row that would end past the time budget is reported skipped, once: the untimed warm pass of the
+    first row is not a row of the results, skipped or not."""
+    res = suite.main(["--cpu", "--shape", "qwen-micro", "--seq-len", "64", "--rows", "bare:lora,nbtrain:lora",
+                      "--budget-s", "0.01", "--out", str(tmp_path)])
+    assert [(r["name"], r["runs"]) for r in res["rows"]] == [("bare:lora", 1), ("nbtrain:lora", 1)]
+    assert all(r["error"].startswith("time budget") for r in res["rows"])
+
+
 def test_qwen_shape_is_0_5b(suite):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config

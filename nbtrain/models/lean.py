@@ -14,9 +14,9 @@ model's (tests/test_lean.py). At Qwen2.5-0.5B's shape (bf16, 8 x 1024, full) nbt
 
 The product and the down projection run as one autograd function when ``down_proj`` is a plain bias-free
 ``nn.Linear`` (full fine-tuning; a forward hook on it does not fire then). Otherwise (LoRA, QLoRA) only
-``silu(gate) * up`` is one: the SiLU output is not kept, and the down projection keeps what it kept before. A module class is taken only after its own forward
-and the lean one agree on a probe input, so a look-alike with other arithmetic (Gemma's ``1 + weight``
-norm, a GELU MLP) is left alone.
+``silu(gate) * up`` is one: the SiLU output is not kept, and the down projection keeps what it kept before.
+A module class is taken only after its own forward and the lean one agree on a probe input, so a look-alike
+with other arithmetic (Gemma's ``1 + weight`` norm, a GELU MLP) is left alone.
 """
 
 from __future__ import annotations
