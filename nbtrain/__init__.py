@@ -4,6 +4,11 @@ The UI pieces (``Panel``, ``LiveDashboard``) are resolved lazily so that ``impor
 ipywidgets, plotly or IPython (DESIGN rule 1).
 """
 
+# transformers replaces itself in sys.modules at the end of its import; completed here, on the thread that
+# imports nbtrain, so that a later first use from a background thread (a run, a comparison in the user's own
+# thread) cannot hand another thread a half-built module.
+import transformers as _transformers  # noqa: F401
+
 from .config import ConfigError, TrainConfig
 from .engine import (CallbackError, CheckpointError, EvalRecord, Finding, Run, RunInfo, StepRecord, StopTraining,
                      TrainResult, scan_fp16_overflow, start, train)

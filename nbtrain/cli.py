@@ -7,6 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from .config import ConfigError, TrainConfig, parse_override
+from .engine.checkpoint import CheckpointError
 
 
 class ProgressBar:
@@ -82,6 +83,12 @@ def _print_summary(summary: dict) -> None:
     for k in keys:
         v = summary.get(k)
         print(f"  {k:<16} {v:.4f}" if isinstance(v, float) else f"  {k:<16} {v}")
+    # what the run learned about itself (auto batch size, a resume, an out-of-memory stop) and how to fit
+    for title, key in (("notes", "notes"), ("to fit in memory", "advice")):
+        if summary.get(key):
+            print(f"{title}:")
+            for line in summary[key]:
+                print(f"  - {line}")
 
 
 def cmd_train(args) -> int:
@@ -204,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"nbtrain {args.command}: error: {e}", file=sys.stderr)
         return 2
 

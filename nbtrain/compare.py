@@ -29,6 +29,7 @@ import torch
 
 from .config import ConfigError, TrainConfig
 from .engine import loop as _loop  # module, not function: tests wrap _loop._run to watch the run order
+from .engine.threads import complete_imports
 from .hardware import capabilities, default_device, resolve_precision
 
 # Config fields that change the initial weights on purpose (a LoRA adapter adds weights, QLoRA
@@ -91,6 +92,7 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
         raise TypeError(f"compare() takes a TrainConfig, got {type(cfg).__name__}")
     if int(repeats) < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats!r}")
+    complete_imports(cfg)   # callbacks may start threads (a live figure); the imports are done by then
     base = cfg
     if subset is not None or max_steps is not None:
         given = {"subset": subset, "max_steps": max_steps}

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, \
+    model_validator
 
 from .hardware import capabilities, resolve_precision
 
@@ -48,7 +49,8 @@ def _describe(err: dict) -> tuple[str, str]:
 class TrainConfig(BaseModel):
     """Everything a run needs. Bad values fail here, naming the field, the value and what is allowed."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # no inf/nan in any float field: they pass every bound check and break the run only later
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
     model: str = Field("tiny", description="preset name, Hugging Face model id or local directory")
     task: Task = "causal-lm"
@@ -113,6 +115,24 @@ class TrainConfig(BaseModel):
                               errors=[{"field": f, "message": m} for f, m in errs]) from None
 
     # -- single-field checks -------------------------------------------------------------------
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v, info: ValidationInfo):
+        # pydantic reads True as 1 for int and float fields: micro_batch_size=True would become 1
+        if isinstance(v, bool):
+            kinds = set(get_args(cls.model_fields[info.field_name].annotation)) or \
+                {cls.model_fields[info.field_name].annotation}
+            if kinds & {int, float} and bool not in kinds:
+                raise ValueError(f"must be a number, not a bool (got {v!r})")
+        return v
+
+    @field_validator("output_dir", "resume_from")
+    @classmethod
+    def _path_or_none(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.strip():
+            raise ValueError("must be a directory path or None, not an empty string")
+        return v
+
     @field_validator("model", "data", "text_column", "label_column")
     @classmethod
     def _not_blank(cls, v: str) -> str:
@@ -273,7 +293,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if key not in TrainConfig.model_fields:
         raise ConfigError(f"--set {key}: not a TrainConfig field", field=key)
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:   # safe_load: a !!python tag must never build objects from the command line
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.constructor.ConstructorError:
+        raise ConfigError(f"--set {key}: YAML tags such as !!python/... are not allowed; give a plain value "
+                          "(a number, a string, null, true/false or a [list])", field=key) from None
+    except yaml.YAMLError as e:
+        why = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"--set {key}: {raw!r} is not valid YAML ({why}); quote strings and close "
+                          "lists, e.g. --set lora_targets=[q_proj,v_proj]", field=key) from None
     if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
         value = float(value)  # YAML 1.1 reads "1e-4" as a string
     return key, value

@@ -422,7 +422,7 @@ def test_unreachable_dataset_id_fails_fast_and_suggests_a_local_path(monkeypatch
     import datasets
     from huggingface_hub import constants
 
-    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(loading.hub, "hub_reachable", lambda timeout=3.0: False)
     before = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
     t0 = time.perf_counter()
     with pytest.raises(DataError, match=r"'someone/no-such-dataset'.*offline.*local path"):

@@ -36,18 +36,15 @@ Then, in this order:
 
 from __future__ import annotations
 
-import contextlib
+import json
 import math
-import os
-import socket
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import torch
 
+from .. import hub
 from . import builtin
 from .bundle import DataBundle, DataError
 
@@ -316,8 +313,15 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
         where = f"file '{path}'"
         desc = "file"
     builder, kwargs = FILE_FORMATS[files[0].suffix.lower()]
-    ds = _load_dataset(where, builder, data_files=[str(f) for f in files], split="train", quiet=True,
-                       **kwargs)
+    try:
+        ds = _load_dataset(where, builder, data_files=[str(f) for f in files], split="train", quiet=True,
+                           **kwargs)
+    except DataError:
+        # pyarrow's parse errors count rows per block, not per file; find the bad line ourselves
+        bad = _json_problem(files, name_file=len(files) > 1) if builder == "json" else None
+        if bad:
+            raise DataError(f"data: could not read {where}: {bad}") from None
+        raise
     return _rows_from_dataset(ds, cfg, where, f"{path} ({builder} {desc}, {ds.num_rows} rows)",
                               single_text_column=builder == "text")
 
@@ -327,9 +331,9 @@ def _read_hub(data: str, cfg: TrainConfig) -> _Rows:
 
     name, _, config_name = data.partition(":")
     where = f"dataset {data!r}"
-    offline = bool(datasets.config.HF_HUB_OFFLINE) or not _hub_reachable()
+    offline = bool(datasets.config.HF_HUB_OFFLINE) or hub.hub_offline()
     try:
-        with _offline_mode(offline):
+        with hub.offline_mode(offline):
             dd = _load_dataset(where, name, config_name or None)
     except DataError:
         if offline:
@@ -361,10 +365,14 @@ def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
         raise DataError(f"{where}: no text column {text_col!r}; its columns are {columns}. "
                         "Set text_column to one of them.")
     feat = features[text_col]
+    column = ds.data.column(text_col)
+    if len(column) and column.null_count == len(column):
+        # a reader infers a number type for a column with no values at all; say that it is empty
+        raise DataError(f"{where}: no examples: text column {text_col!r} is empty in all {len(column)} rows")
     if not (isinstance(feat, datasets.Value) and feat.dtype in ("string", "large_string")):
         raise DataError(f"{where}: text column {text_col!r} holds {_describe_feature(feat)}, not text; "
                         "text_column must name a column of strings")
-    texts = ds.data.column(text_col).to_pylist()
+    texts = column.to_pylist()
     labels = label_names = None
     label_col = cfg.label_column
     if cfg.task == CLASSIFICATION:
@@ -384,6 +392,31 @@ def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
             label_names = list(lfeat.names)
     return _Rows(texts=texts, labels=labels, label_names=label_names, where=where, source=source,
                  text_column=text_col, label_column=label_col)
+
+
+def _json_problem(files: list[Path], name_file: bool) -> str | None:
+    """The first line that does not parse in JSON / JSON-lines ``files``, and why; None if all parse."""
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+        at = f"file '{f}' " if name_file else ""
+        try:
+            json.loads(text)
+            continue   # one JSON document (a list of records): it parses, so the problem is elsewhere
+        except json.JSONDecodeError as e:
+            if text.lstrip().startswith("["):
+                return f"{at}line {e.lineno} is not valid JSON: {e.msg} (column {e.colno})"
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                return (f"{at}line {n} is not valid JSON: {e.msg} (column {e.colno}); JSON lines "
+                        "need one complete record per line")
+    return None
 
 
 def _describe_feature(feat) -> str:
@@ -432,41 +465,8 @@ def _reason(e: BaseException) -> str:
     if (names & {"EmptyDataError", "SchemaInferenceError", "StopIteration"}
             or "corresponds to no data" in text):
         return "it holds no rows (empty file?)"
-    first = next((c for c in chain if str(c)), e)
+    # datasets' own wrappers ("An error occurred while generating the dataset") hide the parser's words
+    first = next((c for c in chain if str(c) and not type(c).__module__.startswith("datasets")),
+                 next((c for c in chain if str(c)), e))
     msg = str(first).strip().splitlines()[0] if str(first).strip() else ""
     return f"{type(first).__name__}: {msg[:300]}" if msg else type(first).__name__
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """A cheap check before ``load_dataset(id)``, whose retries take ~25 s when offline."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True  # a direct connection says nothing about a proxy; let datasets try
-    try:
-        from huggingface_hub import constants
-
-        url = urlparse(constants.ENDPOINT)
-        host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    except Exception:  # noqa: BLE001 - a malformed HF_ENDPOINT: fall back to the public Hub
-        host, port = "huggingface.co", 443
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def _offline_mode(on: bool) -> Iterator[None]:
-    """Make datasets/huggingface_hub use only their caches for one call."""
-    if not on:
-        yield
-        return
-    import datasets
-    from huggingface_hub import constants
-
-    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved

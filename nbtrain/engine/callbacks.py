@@ -10,7 +10,12 @@ class StopTraining(Exception):
 
 
 class CallbackError(RuntimeError):
-    """A callback raised; the message names the callback and the event."""
+    """A callback raised; the message names the callback and the event.
+
+    The run still ends as usual (history, model, outputs, ``on_run_end``); ``.result`` is its TrainResult.
+    """
+
+    result = None
 
 
 @runtime_checkable
@@ -32,13 +37,29 @@ class CallbackList:
     def fire(self, event: str, payload: Any) -> None:
         """Run ``event`` on every callback. StopTraining propagates; other errors are wrapped."""
         for cb in self.callbacks:
-            fn = getattr(cb, event, None)
-            if fn is None:
-                continue
+            self._call(cb, event, payload)
+
+    def fire_all(self, event: str, payload: Any) -> list[CallbackError]:
+        """Run ``event`` on every callback, even after one fails; returns the wrapped errors."""
+        errors = []
+        for cb in self.callbacks:
             try:
-                fn(payload)
+                self._call(cb, event, payload)
             except StopTraining:
-                raise
-            except Exception as e:
-                raise CallbackError(f"callback {type(cb).__name__}.{event} raised "
-                                    f"{type(e).__name__}: {e}") from e
+                pass
+            except CallbackError as e:
+                errors.append(e)
+        return errors
+
+    @staticmethod
+    def _call(cb, event: str, payload: Any) -> None:
+        fn = getattr(cb, event, None)
+        if fn is None:
+            return
+        try:
+            fn(payload)
+        except StopTraining:
+            raise
+        except Exception as e:
+            raise CallbackError(f"callback {type(cb).__name__}.{event} raised "
+                                f"{type(e).__name__}: {e}") from e

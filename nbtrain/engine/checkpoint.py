@@ -1,9 +1,13 @@
 """Atomic checkpoints: trainable weights, optimizer, scheduler, GradScaler, RNG, data position, history.
 
-A checkpoint is a directory ``step-000123`` holding ``state.pt`` and ``meta.json`` (with the SHA-256 of
-``state.pt``). It is written under a temporary name and renamed into place, so a crash mid-write never
-leaves a directory that looks complete; a truncated or altered ``state.pt`` fails its checksum with a clear
-message, and ``latest_checkpoint`` falls back to the newest one that verifies.
+A checkpoint is a directory ``step-000123`` holding ``state.pt``, ``config.yaml`` and ``meta.json`` (with the
+SHA-256 of ``state.pt``). It is written under a temporary name and renamed into place, so a crash mid-write
+never leaves a directory that looks complete; a truncated or altered ``state.pt`` fails its checksum with a
+clear message, and a folder of checkpoints resumes from the newest one that verifies, saying which it skipped.
+
+``state.pt`` holds tensors and plain data only and is read with ``torch.load(weights_only=True)``: the
+checksum proves integrity, not origin (whoever can write ``state.pt`` can write ``meta.json``), so loading a
+checkpoint must never run code from it.
 """
 
 from __future__ import annotations
@@ -11,12 +15,40 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
+import re
 import shutil
+import threading
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+
+FORMAT = 2   # 1: pickled python/numpy RNG state and bytes, only readable with weights_only=False
+
+# What a state must hold, and the type the loop relies on, so a bad file fails here and not as a KeyError later.
+_REQUIRED: dict[str, tuple[type, ...]] = {
+    "step": (int,), "model": (dict,), "optimizer": (dict,), "scheduler": (dict,), "scaler": (dict,),
+    "rng": (dict,), "prev_scale": (float, int, type(None)), "data_hash": (str,),
+    "first_nonfinite": (int, type(None)), "records": (list,), "evals": (list,), "config": (dict,),
+}
+
+# Config fields that shape the run: a checkpoint continues only a run with the same values.
+RESUME_KEYS = ("model", "task", "data", "subset", "max_seq_len", "micro_batch_size", "grad_accum_steps",
+               "method", "lora_r", "lora_alpha", "lora_targets", "quant_bits", "seed", "packing", "eval_fraction",
+               "text_column", "label_column", "scheduler", "warmup_steps", "lr", "precision", "max_grad_norm",
+               "weight_decay")
+
+_STEP_RE = re.compile(r"step-(\d+)")
+_TMP_RE = re.compile(r"\.tmp-step-\d+-(\d+)(?:-.*)?")   # group 1: the writer's pid (format 1 names too)
+
+# Temp dirs being written by this process (resolved paths). A leftover with our pid that is not here is dead.
+_LIVE: set[str] = set()
+_LIVE_LOCK = threading.Lock()
 
 
 class CheckpointError(RuntimeError):
@@ -36,95 +68,261 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu").clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def rng_state() -> dict[str, Any]:
-    import numpy as np
-
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+# ---------------------------------------------------------------------------------------------------------------
+# Plain data: what weights_only=True can read back
+# ---------------------------------------------------------------------------------------------------------------
+_SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def _is_plain(x: Any) -> bool:
+    try:
+        _plain(x, "")
+        return True
+    except CheckpointError:
+        return False
 
 
-def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any], config_yaml: str) -> Path:
-    """Write ``state`` as checkpoint ``step`` under ``directory`` atomically; returns its path."""
+def _plain(x: Any, where: str) -> Any:
+    """``x`` as tensors and builtin containers/scalars only; raises CheckpointError naming ``where`` otherwise."""
+    t = type(x)
+    if t in (torch.Tensor, torch.nn.Parameter, torch.Size) or t in _SCALARS:
+        return x
+    if t.__module__ == "numpy" and hasattr(x, "item") and getattr(x, "shape", None) == ():
+        return x.item()   # a numpy scalar would pickle as a numpy global
+    for base in (bool, int, float, str):   # subclasses (IntEnum, str enums) pickle by their class
+        if isinstance(x, base):
+            return base(x)
+    if isinstance(x, dict):
+        return {_plain(k, f"{where} key"): _plain(v, f"{where}[{k!r}]") for k, v in x.items()}
+    if t in (list, tuple, set):
+        return t(_plain(v, f"{where}[{i}]") for i, v in enumerate(x))
+    raise CheckpointError(f"cannot save checkpoint: {where} is a {t.__module__}.{t.__qualname__}, which could "
+                          "only be read back by unpickling code; store tensors and plain data")
+
+
+def _plain_state(state: dict[str, Any]) -> dict[str, Any]:
+    sched = state.get("scheduler")
+    if isinstance(sched, dict) and isinstance(sched.get("lr_lambdas"), list):
+        # LambdaLR keeps a callable object's __dict__ (None for a function); load_state_dict skips None entries,
+        # and the factor is rebuilt from the config anyway.
+        sched = {**sched, "lr_lambdas": [v if _is_plain(v) else None for v in sched["lr_lambdas"]]}
+        state = {**state, "scheduler": sched}
+    return _plain(state, "state")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.pid_exists(pid)
+    except Exception:   # cannot tell: keep the directory
+        return True
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Remove temp dirs of killed writes: another process's whose pid is gone, or ours that no write owns."""
+    me = os.getpid()
+    for d in root.glob(".tmp-step-*"):
+        m = _TMP_RE.fullmatch(d.name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid == me:
+            with _LIVE_LOCK:   # held across the removal: a write registers its name before creating it
+                if str(d) not in _LIVE:
+                    shutil.rmtree(d, ignore_errors=True)
+        elif not _pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _register(path: Path) -> Path:
+    """Claim a temp path for this write; a suffix keeps two writers with the same run_id apart."""
+    with _LIVE_LOCK:
+        cand, n = path, 1
+        while str(cand) in _LIVE:
+            n += 1
+            cand = path.with_name(f"{path.name}-{n}")
+        _LIVE.add(str(cand))
+    return cand
+
+
+def _release(*paths: Path) -> None:
+    with _LIVE_LOCK:
+        for p in paths:
+            _LIVE.discard(str(p))
+
+
+def _commit(tmp: Path, final: Path, aside: Path) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` (same step written again) is moved aside first."""
+    for _ in range(10):   # another writer of the same step may slip in between; each round is atomic
+        if final.exists():
+            try:
+                os.replace(final, aside)
+            except FileNotFoundError:
+                pass      # that writer moved it already
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(tmp, final)   # the rename is the commit point
+            return
+        except OSError:
+            if not final.exists():
+                raise
+    raise CheckpointError(f"checkpoint {str(final)!r}: could not be written (another writer keeps replacing it)")
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any], config_yaml: str, *,
+                    run_id: str | None = None) -> Path:
+    """Write ``state`` as checkpoint ``step`` under ``directory`` atomically; returns its path.
+
+    ``run_id`` names this run's temp files (a fresh id when None), so concurrent writers never share one.
+    """
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    root = root.resolve()   # one spelling per folder for the live-write registry, whatever the cwd or links
+    clean = _plain_state(state)   # fail before writing anything that could not be resumed
+    run_id = re.sub(r"[^A-Za-z0-9_]", "_", run_id) if run_id else uuid.uuid4().hex[:12]
     final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(state, tmp / "state.pt")
-    (tmp / "config.yaml").write_text(config_yaml)
-    meta = {"step": step, "sha256": _sha256(tmp / "state.pt"), "format": 1}
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)   # the rename is the commit point
+    tmp = _register(root / f".tmp-step-{step:06d}-{os.getpid()}-{run_id}")
+    aside = _register(tmp.with_name(tmp.name + "-old"))
+    try:
+        _remove_leftovers(root)
+        for mine in (tmp, aside):   # ours by registration: leftovers of an earlier failed write
+            shutil.rmtree(mine, ignore_errors=True)
+        tmp.mkdir()
+        torch.save(clean, tmp / "state.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        meta = {"step": step, "sha256": _sha256(tmp / "state.pt"), "format": FORMAT}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        _commit(tmp, final, aside)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _release(tmp, aside)
     return final
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding and reading
+# ---------------------------------------------------------------------------------------------------------------
+def _problem(p: Path) -> tuple[str | None, dict]:
+    """(what is wrong with checkpoint ``p`` or None, its meta)."""
+    if not p.is_dir():
+        return "it does not exist or is not a directory", {}
+    meta_file, state_file = p / "meta.json", p / "state.pt"
+    if not meta_file.is_file() or not state_file.is_file():
+        return "it is incomplete: needs meta.json and state.pt", {}
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError as e:
+        return f"meta.json is unreadable: {e}", {}
+    if not isinstance(meta, dict) or _sha256(state_file) != meta.get("sha256"):
+        return "state.pt is truncated or corrupt: checksum mismatch", {}
+    return None, meta
 
 
 def verify(path: str | os.PathLike) -> dict:
     """Check a checkpoint directory; returns its meta or raises CheckpointError saying what is wrong."""
     p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint {str(p)!r} does not exist or is not a directory")
-    meta_file, state_file = p / "meta.json", p / "state.pt"
-    if not meta_file.is_file() or not state_file.is_file():
-        raise CheckpointError(f"checkpoint {str(p)!r} is incomplete (needs meta.json and state.pt)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {str(p)!r}: meta.json is corrupt ({e})") from None
-    if _sha256(state_file) != meta.get("sha256"):
-        raise CheckpointError(f"checkpoint {str(p)!r}: state.pt is truncated or corrupt (checksum mismatch); "
-                              "resume from an earlier checkpoint")
+    problem, meta = _problem(p)
+    if problem:
+        hint = "; resume from an earlier checkpoint" if "checksum" in problem else ""
+        raise CheckpointError(f"checkpoint {str(p)!r}: {problem}{hint}")
     return meta
+
+
+def _candidates(root: Path) -> list[Path]:
+    found = [(int(m.group(1)), d) for d in root.glob("step-*") if (m := _STEP_RE.fullmatch(d.name))]
+    return [d for _, d in sorted(found, key=lambda x: x[0], reverse=True)]   # by number: 7+ digits sort right
+
+
+def _newest_valid(root: Path) -> tuple[Path | None, dict, list[tuple[Path, str]]]:
+    """The newest checkpoint under ``root`` that verifies, its meta, and the newer ones skipped with why."""
+    skipped = []
+    for cand in _candidates(root):
+        problem, meta = _problem(cand)
+        if problem is None:
+            return cand, meta, skipped
+        skipped.append((cand, problem))
+    return None, {}, skipped
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest checkpoint under ``directory`` that verifies, or None."""
-    root = Path(directory)
-    for cand in sorted(root.glob("step-*"), reverse=True):
-        try:
-            verify(cand)
-            return cand
-        except CheckpointError:
-            continue
-    return None
+    return _newest_valid(Path(directory))[0]
 
 
-def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or a folder of them (its newest valid one). Raises CheckpointError."""
+def _resolve(path: str | os.PathLike) -> tuple[Path, dict, list[str]]:
+    """(checkpoint, its meta, notes on newer ones skipped); each verified once, as hashing a big one is slow."""
     p = Path(path)
     if (p / "meta.json").exists() or (p / "state.pt").exists():
-        verify(p)
-        return p
+        return p, verify(p), []
     for root in (p, p / "checkpoints"):
         if root.is_dir():
-            found = latest_checkpoint(root)
+            found, meta, skipped = _newest_valid(root)
             if found is not None:
-                return found
+                notes = [f"checkpoint {bad.name} is corrupt ({why}); resumed from {found.name} instead"
+                         for bad, why in skipped]
+                return found, meta, notes
     raise CheckpointError(f"resume_from={str(p)!r}: no valid checkpoint there (expected a step-NNNNNN "
                           "directory written by save_every, or a folder holding them)")
 
 
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, or a folder of them (its newest valid one). Raises CheckpointError."""
+    return _resolve(path)[0]
+
+
+def _unsupported(e: Exception) -> str:
+    m = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+    return f"it references {m.group(1)}" if m else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Verify and load a checkpoint's state (on the CPU)."""
-    p = resolve(path)
+    """Verify and load a checkpoint's state (on the CPU) without running code from it.
+
+    Adds ``path`` (the checkpoint used) and ``notes`` (newer checkpoints skipped as corrupt; empty normally).
+    """
+    p, meta, notes = _resolve(path)
+    fmt = meta.get("format")
+    if fmt != FORMAT:
+        raise CheckpointError(f"checkpoint {str(p)!r} has format {fmt!r} (an older nbtrain's, which can only be "
+                              f"read by unpickling code); this nbtrain reads format {FORMAT}: start a fresh run")
     try:
-        state = torch.load(p / "state.pt", map_location="cpu", weights_only=False)
-    except Exception as e:  # unpickling errors come in many types
-        raise CheckpointError(f"checkpoint {str(p)!r} could not be read: {type(e).__name__}: {e}") from None
+        state = torch.load(p / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as e:   # weights_only refusals are UnpicklingError; a bad zip is a RuntimeError
+        if "Weights only load failed" in str(e) or "WeightsUnpickler" in str(e):
+            raise CheckpointError(f"checkpoint {str(p)!r}: refusing to unpickle code from state.pt "
+                                  f"({_unsupported(e)}); a checkpoint holds tensors and plain data only, so this "
+                                  "one is from an older nbtrain or was crafted. Do not load it with "
+                                  "weights_only=False unless you made it yourself") from None
+        raise CheckpointError(f"checkpoint {str(p)!r} could not be read: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:300] if str(e) else ''}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {str(p)!r}: state.pt holds a {type(state).__name__}, not a state dict")
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(p)!r}: state.pt lacks {', '.join(missing)}")
+    wrong = [f"{k} ({type(state[k]).__name__})" for k, types in _REQUIRED.items()
+             if not isinstance(state[k], types) or (types == (int,) and isinstance(state[k], bool))]
+    if isinstance(state["rng"], dict) and not isinstance(state["rng"].get("torch"), torch.Tensor):
+        wrong.append("rng['torch'] (needs the generator state tensor)")
+    if wrong:
+        raise CheckpointError(f"checkpoint {str(p)!r}: state.pt has the wrong type for {', '.join(wrong)}")
     state["path"] = str(p)
+    state["notes"] = notes
     return state
+
+
+def check_resumable(saved: dict, cfg: "TrainConfig", path: str) -> None:
+    """A checkpoint continues only the run it came from: the fields that shape the run must match."""
+    def norm(k: str, v: Any) -> Any:
+        if k == "max_grad_norm" and not v:
+            return None   # None and 0 both mean no clipping
+        return v
+
+    diff = [k for k in RESUME_KEYS if norm(k, saved.get(k)) != norm(k, getattr(cfg, k))]
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {getattr(cfg, k)!r}" for k in diff)
+        raise CheckpointError(f"cannot resume from {path}: the config differs in {detail}")

@@ -24,6 +24,7 @@ from ..config import TrainConfig
 from .callbacks import CallbackList
 from .loop import STEP_FIELDS, TrainResult, _EVAL_FIELDS, _frame
 from .records import EvalRecord, RunInfo, StepRecord
+from .threads import spawn
 
 PREFIX = "@nbtrain "
 
@@ -80,8 +81,8 @@ class LaunchedRun:
         # A new session, so stop() can signal the launcher and every worker as one process group.
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=full_env, start_new_session=True, bufsize=1)
-        self._reader = threading.Thread(target=self._read, name="nbtrain-launch-reader", daemon=True)
-        self._reader.start()
+        # The reader fires the callbacks; interpreter exit stops the workers and joins it.
+        self._reader = spawn(self._read, "nbtrain-launch-reader", stop=self.stop, cfg=cfg)
 
     def _read(self) -> None:
         try:

@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -19,14 +20,16 @@ import torch.nn.functional as F
 
 from ..config import TrainConfig
 from ..hardware import capabilities, default_device
-from .callbacks import CallbackList, StopTraining
+from .callbacks import CallbackError, CallbackList, StopTraining
 from .distributed import agree, all_reduce_sum, close_distributed, init_distributed, shard, wrap_ddp
 from .doctor import grad_underflow_share
 from .losses import chunked_loss_sum, split_for_chunked_loss
-from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state, trainable_state
+from .checkpoint import check_resumable, load_checkpoint, save_checkpoint, trainable_state
 from .precision import PRECISION_TABLE, autocast, global_torch_state, make_scaler
 from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
+from .rng import RunRng
 from .telemetry import device_memory_gib, host_rss_gib, reset_peak
+from .threads import spawn
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,14 +242,21 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
     spec = PRECISION_TABLE[precision]
     policy = cfg.nonfinite or ("skip" if spec.scaler else "stop")
 
+    run_id = uuid.uuid4().hex[:8]   # names this run's temporary files
+    cb_error: Optional[CallbackError] = None
+
     with global_torch_state(spec):
-        # Data first (fails fast on bad input), then the model from a fresh seed so the initial weights do
-        # not depend on how much randomness data loading used.
-        torch.manual_seed(cfg.seed)
-        tokenizer = load_tokenizer(cfg)
-        data = load_data(cfg, tokenizer)
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg, tokenizer, data.num_labels, precision, device)
+        # Data first (fails fast on bad input). Whatever it draws at random is not the caller's: each run
+        # draws from its own stream (data order has its own seeded generators).
+        with RunRng(cfg.seed, device).active():
+            tokenizer = load_tokenizer(cfg)
+            data = load_data(cfg, tokenizer)
+        # The run's stream, from a fresh seed so the initial weights do not depend on how much randomness data
+        # loading used; initial weights, dropout and the batch-size probe draw from it alone, never from the
+        # caller's or a concurrent run's.
+        rng = RunRng(cfg.seed, device)
+        with rng.active():
+            model = build_model(cfg, tokenizer, data.num_labels, precision, device, label_names=data.label_names)
         init_hash = weights_hash(model) if hash_init else None
         params = [p for p in model.parameters() if p.requires_grad]
         trainable, total_params = count_params(model)
@@ -261,8 +271,9 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 notes.append(lean.describe())
         chunked = cfg.chunked_loss and data.task == "causal-lm"
         if cfg.auto_batch_size:
-            cfg, note = _auto_batch_size(cfg, model, params, data, spec, device,
-                                         cfg.loss_chunk_tokens if chunked else None)
+            with rng.active():   # the probe's dropout draws are put back with the run's state
+                cfg, note = _auto_batch_size(cfg, model, params, data, spec, device,
+                                             cfg.loss_chunk_tokens if chunked else None)
             notes.append(note)
         fwd_model = wrap_ddp(model, dist_ctx) if dist_ctx else model
         loss_parts = None
@@ -287,18 +298,19 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         start_step = 0
         if cfg.resume_from:
             ck = load_checkpoint(cfg.resume_from)
-            _check_resumable(ck["config"], cfg, ck["path"])
+            check_resumable(ck["config"], cfg, ck["path"])
+            notes.extend(ck.get("notes", []))
             named = dict(model.named_parameters())
             for n, t in ck["model"].items():
                 named[n].data.copy_(t)
             optimizer.load_state_dict(ck["optimizer"])
             scheduler.load_state_dict(ck["scheduler"])
             scaler.load_state_dict(ck["scaler"])
-            set_rng_state(ck["rng"])
+            rng.load_state_dict(ck["rng"])
             records = [StepRecord(**r) for r in ck["records"]]
             evals = [EvalRecord(**r) for r in ck["evals"]]
             start_step, prev_scale = ck["step"], ck["prev_scale"]
-            data_hash, first_nonfinite = ck["data_hash"], ck["first_nonfinite"]
+            data_hash, first_nonfinite = bytes.fromhex(ck["data_hash"]), ck["first_nonfinite"]
             notes.append(f"resumed from {ck['path']} at step {start_step}")
 
         info = RunInfo(config=cfg, precision_used=precision, device=device, device_name=caps.name,
@@ -327,6 +339,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         except StopTraining:
             stop_requested = True
             stopped_reason = "stopped"
+        except CallbackError as e:
+            stop_requested, stopped_reason, cb_error = True, "callback_error", e
         t_start = t_prev = time.perf_counter() - (records[-1].elapsed_s if records else 0.0)
         # Every rank walks the same global order; global micro-batches of micro x world rows, each rank takes
         # its share, so N processes x micro m see exactly the examples of 1 process x micro N*m.
@@ -356,22 +370,23 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                     step_ids += b"".join(mb.labels.numpy().tobytes() for mb in micro)
                 data_hash = hashlib.blake2b(data_hash + step_ids, digest_size=8).digest()
                 local = micro if world == 1 else [shard(mb, data, rank, world) for mb in micro]
-                for i, mb in enumerate(local):
-                    # Pinned host memory: the copy is queued without waiting for the GPU (a pageable one waits).
-                    mb = (mb.pin_memory() if device == "cuda" else mb).to(device, non_blocking=True)
-                    # DDP: all-reduce gradients only on the step's last micro-batch.
-                    sync = world == 1 or i == len(local) - 1
-                    with contextlib.nullcontext() if sync else fwd_model.no_sync():
-                        loss = micro_loss_sum(fwd_model, mb, data.task, spec, device,
-                                              cfg.loss_chunk_tokens if chunked else None, loss_parts,
-                                              cfg.compile) / n_targets
-                        if mb.n_targets == 0:
-                            loss = loss * 0.0   # a rank left without rows in a short batch still joins the all-reduce
-                        # DDP averages gradients over ranks; x world makes that the global sum. scale() is the
-                        # identity when the scaler is disabled.
-                        scaler.scale(loss * world if world > 1 else loss).backward()
-                    loss_acc += loss.detach()
-                    del loss
+                with rng.active():   # dropout draws from this run's stream only
+                    for i, mb in enumerate(local):
+                        # Pinned host memory: the copy is queued without waiting for the GPU (a pageable one waits).
+                        mb = (mb.pin_memory() if device == "cuda" else mb).to(device, non_blocking=True)
+                        # DDP: all-reduce gradients only on the step's last micro-batch.
+                        sync = world == 1 or i == len(local) - 1
+                        with contextlib.nullcontext() if sync else fwd_model.no_sync():
+                            loss = micro_loss_sum(fwd_model, mb, data.task, spec, device,
+                                                  cfg.loss_chunk_tokens if chunked else None, loss_parts,
+                                                  cfg.compile) / n_targets
+                            if mb.n_targets == 0:
+                                loss = loss * 0.0   # a rank left without rows in a short batch still joins the all-reduce
+                            # DDP averages gradients over ranks; x world makes that the global sum. scale() is the
+                            # identity when the scaler is disabled.
+                            scaler.scale(loss * world if world > 1 else loss).backward()
+                        loss_acc += loss.detach()
+                        del loss
                 # Last micro-batch done: bring gradients back to their true scale before measuring them.
                 scaler.unscale_(optimizer)
                 if step == 1:   # one cheap sample (before clipping) for the doctor's fp16-underflow check
@@ -427,14 +442,18 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                         save_checkpoint(ckpt_dir, step, {
                             "step": step, "model": trainable_state(model), "optimizer": optimizer.state_dict(),
                             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                            "rng": rng_state(), "prev_scale": prev_scale, "data_hash": data_hash,
+                            "rng": rng.state_dict(), "prev_scale": prev_scale, "data_hash": data_hash.hex(),
                             "first_nonfinite": first_nonfinite, "records": [r.to_dict() for r in records],
-                            "evals": [r.to_dict() for r in evals], "config": cfg.to_dict()}, cfg.to_yaml())
+                            "evals": [r.to_dict() for r in evals], "config": cfg.to_dict()}, cfg.to_yaml(),
+                            run_id=run_id)
                 except StopTraining:
                     if world == 1:
                         stopped_reason = "stopped"
                         break
                     stop_event.set()   # the other ranks learn it at the next step's agreement
+                except CallbackError as e:   # the run ends here, and keeps all it has (raised after finish)
+                    stopped_reason, cb_error = "callback_error", e
+                    break
         except KeyboardInterrupt:
             stopped_reason = "interrupted"
         except (torch.OutOfMemoryError, MemoryError) as e:
@@ -454,11 +473,13 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 if device == "cuda":
                     torch.cuda.empty_cache()
         wall = time.perf_counter() - t_start
-        if stopped_reason not in ("interrupted", "out_of_memory") and data.eval and rank == 0:
+        if stopped_reason not in ("interrupted", "out_of_memory", "callback_error") and data.eval and rank == 0:
             try:
                 run_eval(step)
             except StopTraining:
                 pass
+            except CallbackError as e:
+                cb_error = e
 
         summary = _summary(records, evals, stopped_reason, precision, device, wall, trainable, total_params,
                            first_nonfinite)
@@ -479,26 +500,16 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         if cfg.output_dir and rank == 0:
             write_outputs(result, cfg.output_dir)
         try:
-            cbs.fire("on_run_end", result)
-        except StopTraining:
-            pass
+            # Every callback hears the end, even after one of them failed.
+            errors = cbs.fire_all("on_run_end", result)
         finally:
             if dist_ctx:
                 close_distributed(dist_ctx)
+        cb_error = cb_error or (errors[0] if errors else None)
+        if cb_error is not None:
+            cb_error.result = result
+            raise cb_error
         return result
-
-
-_RESUME_KEYS = ("model", "task", "data", "subset", "max_seq_len", "micro_batch_size", "grad_accum_steps",
-                "method", "lora_r", "lora_alpha", "lora_targets", "quant_bits", "seed", "packing", "eval_fraction",
-                "text_column", "label_column", "scheduler", "warmup_steps", "lr")
-
-
-def _check_resumable(saved: dict, cfg: TrainConfig, path: str) -> None:
-    """A checkpoint continues only the run it came from: the fields that shape the run must match."""
-    diff = [k for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)]
-    if diff:
-        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {getattr(cfg, k)!r}" for k in diff)
-        raise CheckpointError(f"cannot resume from {path}: the config differs in {detail}")
 
 
 def _auto_batch_size(cfg: TrainConfig, model, params, data, spec, device,
@@ -609,10 +620,11 @@ class Run:
             try:
                 self.result = _run(cfg, callbacks, stop_event=self._stop, **kwargs)
             except BaseException as e:  # handed to wait(), never lost in the thread
+                self.result = getattr(e, "result", None)   # a failed callback's run keeps its result
                 self.error = e
 
-        self._thread = threading.Thread(target=target, name="nbtrain-run", daemon=True)
-        self._thread.start()
+        # Heavy imports finish on this thread first; interpreter exit stops and joins the run.
+        self._thread = spawn(target, "nbtrain-run", stop=self._stop.set, cfg=cfg)
 
     def stop(self) -> None:
         """Ask the run to end after the current step; history and model are kept."""

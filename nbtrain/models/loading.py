@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .. import hub
 from .presets import PRESETS, build_preset_model, preset_tokenizer
 
 CAUSAL_LM = "causal-lm"
@@ -49,18 +51,38 @@ def resolve_source(model: str) -> ModelSource:
     return ModelSource("hub", model)
 
 
-def _hub_error(name: str, what: str, err: Exception) -> ModelError:
+def _hub_error(name: str, what: str, err: Exception, cache_only: bool = False) -> ModelError:
+    where = ("the local cache (the Hugging Face Hub is not reachable from here, or HF_HUB_OFFLINE is set)"
+             if cache_only else "the Hugging Face Hub or the local cache")
     return ModelError(
-        f"model {name!r}: could not load its {what} from the Hugging Face Hub or the local cache "
+        f"model {name!r}: could not load its {what} from {where} "
         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). If this machine is "
         "offline the Hub cannot be reached: download the model once where there is a network "
         "(e.g. `hf download ORG/NAME --local-dir DIR`) and pass that local directory as model=DIR.")
 
 
+def _load_kwargs(src: ModelSource, local_only: bool = False) -> dict:
+    """Keywords for every transformers ``from_pretrained``: never run a checkpoint's own Python code
+    (``None`` would ask on stdin, which hangs a notebook), and use only the local cache when the Hub
+    cannot be reached, instead of retrying for most of a minute."""
+    cache_only = src.kind != "hub" or local_only or hub.hub_offline()   # a directory needs no network
+    return {"trust_remote_code": False, "local_files_only": cache_only}
+
+
 def _check_local(src: ModelSource) -> None:
-    if not (Path(src.name) / "config.json").is_file():
+    cfg_file = Path(src.name) / "config.json"
+    if not cfg_file.is_file():
         raise ModelError(f"model {src.name!r}: the directory has no config.json; pass a directory "
                          "written by save_pretrained() (config.json, weights, tokenizer files)")
+    # checked here: transformers blames a broken config.json on the tokenizer, or fails with a TypeError
+    try:
+        data = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"model {src.name!r}: config.json is not valid JSON ({e}); write it again with "
+                         "model.config.save_pretrained(DIR)") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"model {src.name!r}: config.json holds a JSON {type(data).__name__}, not an "
+                         "object of config fields; write it again with model.config.save_pretrained(DIR)")
 
 
 def load_tokenizer(cfg):
@@ -77,11 +99,12 @@ def load_tokenizer(cfg):
 
         if src.kind == "local":
             _check_local(src)
+        kwargs = _load_kwargs(src)
         try:
-            tok = AutoTokenizer.from_pretrained(src.name)
+            tok = AutoTokenizer.from_pretrained(src.name, **kwargs)
         except OSError as e:
             if src.kind == "hub":
-                raise _hub_error(src.name, "tokenizer", e) from None
+                raise _hub_error(src.name, "tokenizer", e, kwargs["local_files_only"]) from None
             raise ModelError(f"model {src.name!r}: could not load a tokenizer from the directory "
                              f"({e}); save one there with tokenizer.save_pretrained(DIR)") from None
         except (ValueError, KeyError) as e:
@@ -118,12 +141,14 @@ def _auto_class(task: str):
 def _pretrained_config(src: ModelSource, task: str, num_labels: int | None, local_only: bool = False):
     from transformers import AutoConfig
 
-    kwargs = {"num_labels": int(num_labels)} if task == SEQ_CLS and num_labels else {}
+    kwargs = _load_kwargs(src, local_only)
+    if task == SEQ_CLS and num_labels:
+        kwargs["num_labels"] = int(num_labels)
     try:
-        return AutoConfig.from_pretrained(src.name, local_files_only=local_only, **kwargs)
+        return AutoConfig.from_pretrained(src.name, **kwargs)
     except OSError as e:
         if src.kind == "hub":
-            raise _hub_error(src.name, "config", e) from None
+            raise _hub_error(src.name, "config", e, kwargs["local_files_only"]) from None
         raise ModelError(f"model {src.name!r}: could not read config.json: {e}") from None
     except (ValueError, KeyError) as e:
         raise ModelError(f"model {src.name!r}: transformers does not know this config: {e}") from None
@@ -142,7 +167,7 @@ def meta_model(model: str, task: str, num_labels: int | None = None,
         config = _pretrained_config(src, task, num_labels, local_only=local_only)
     with torch.device("meta"):
         try:
-            return _auto_class(task).from_config(config)
+            return _auto_class(task).from_config(config, trust_remote_code=False)
         except ValueError as e:  # e.g. an encoder-only config asked for causal-lm
             raise ModelError(f"model {model!r}: {type(config).__name__} has no {task} model class "
                              f"in transformers: {str(e).splitlines()[0]}") from None
@@ -223,7 +248,7 @@ def load_base_model(cfg, tokenizer, num_labels: int | None, device: str, quantiz
 
 
 def _from_pretrained(src: ModelSource, task: str, num_labels, device: str, quantization_config):
-    kwargs: dict = {"dtype": torch.float32}
+    kwargs: dict = {"dtype": torch.float32, **_load_kwargs(src)}
     if task == SEQ_CLS:
         # a checkpoint that already has a head for another label count gets a fresh one
         kwargs.update(num_labels=int(num_labels), ignore_mismatched_sizes=True)
@@ -233,7 +258,7 @@ def _from_pretrained(src: ModelSource, task: str, num_labels, device: str, quant
         return _auto_class(task).from_pretrained(src.name, **kwargs)
     except OSError as e:
         if src.kind == "hub":
-            raise _hub_error(src.name, "weights", e) from None
+            raise _hub_error(src.name, "weights", e, kwargs["local_files_only"]) from None
         raise ModelError(f"model {src.name!r}: could not load the weights: {e}") from None
     except (ValueError, KeyError) as e:
         raise ModelError(f"model {src.name!r}: could not load it for task {task!r}: "

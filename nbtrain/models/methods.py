@@ -157,11 +157,23 @@ def cast_trainable_fp32(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: str) -> torch.nn.Module:
+def name_labels(model: torch.nn.Module, label_names) -> None:
+    """Set ``config.id2label`` / ``label2id`` from the data's label names (id i is ``label_names[i]``),
+    so that a saved classifier maps its outputs back to "neg" / "pos" instead of LABEL_0 / LABEL_1."""
+    names = [str(n) for n in label_names]
+    if len(names) != model.config.num_labels:
+        raise ModelError(f"label_names: {len(names)} names for a head with {model.config.num_labels} labels")
+    model.config.id2label = dict(enumerate(names))
+    model.config.label2id = {n: i for i, n in enumerate(names)}
+
+
+def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: str,
+                label_names=None) -> torch.nn.Module:
     """The model for ``cfg`` on ``device``, in train mode, with ``cfg.method`` applied.
 
     ``precision`` is the resolved name (fp32, tf32, fp16, bf16); it sets the compute dtype of the
-    4-bit layers under QLoRA. Seed torch before calling: the initialisation of new weights (the
+    4-bit layers under QLoRA. ``label_names`` (a classifier's, from ``DataBundle.label_names``) name
+    the labels in the model config. Seed torch before calling: the initialisation of new weights (the
     whole ``tiny`` preset, a classification head) draws from the global RNG. The forward takes
     ``input_ids`` and ``attention_mask`` and returns ``.logits``; the caller computes the loss.
     """
@@ -183,6 +195,8 @@ def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: 
     if task == SEQ_CLS and model.config.pad_token_id is None:
         # the head reads the last non-pad token; without a pad id it refuses batches larger than 1
         model.config.pad_token_id = tokenizer.pad_token_id
+    if task == SEQ_CLS and label_names:
+        name_labels(model, label_names)
     if task == CAUSAL_LM:
         # the loop never generates; a KV cache would only cost memory during training
         model.config.use_cache = False

@@ -4,6 +4,9 @@ Plain ipywidgets plus the dashboard's plotly ``FigureWidget``, so it renders whe
 (JupyterLab, Notebook 7, VS Code, Colab) with no frontend extension of its own. Training runs through
 ``nbt.start()`` in a background thread, so the panel and the kernel stay responsive. Nothing here
 raises at the user on a bad value: errors become an inline message naming the field.
+
+Every thread and timer of the panel goes through :mod:`nbtrain.engine.threads`: heavy imports are
+finished on the user's thread first, and interpreter exit stops and joins whatever is still running.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import ipywidgets as widgets
 
 from ..config import ConfigError, TrainConfig
 from ..engine import StopTraining, start
+from ..engine.threads import complete_imports, spawn, track
 from ..hardware import PRECISIONS, capabilities
 from .controls import Choice, Codec, make_codecs, yaml_codec
 
@@ -120,13 +124,20 @@ def _section_of(field: str) -> str:
 
 
 class _Job:
-    """One Train or Compare press: its kind, stop request and completion."""
+    """One Train or Compare press: its kind, stop request, run (Train) and completion."""
 
     def __init__(self, kind: str):
         self.kind = kind
         self.stop = threading.Event()
         self.done = threading.Event()
         self.finished = False
+        self.run = None
+
+    def halt(self) -> None:
+        """Ask this job to end after the current step (no widget updates: also called at interpreter exit)."""
+        self.stop.set()
+        if self.run is not None:
+            self.run.stop()
 
 
 class _PanelCallback:
@@ -172,12 +183,17 @@ class Panel:
 
     ``panel.config`` is the validated config of the current values; ``Panel(config=cfg)`` shows ``cfg``;
     ``panel.controls`` maps each TrainConfig field to its widget. ``panel.run``, ``panel.result`` and
-    ``panel.comparison`` give the last run, its TrainResult and the last ComparisonResult.
+    ``panel.comparison`` give the last run, its TrainResult and the last ComparisonResult; the run's
+    notes and out-of-memory advice are listed under the status line (``panel.notes``).
     ``callbacks`` are added to every run the panel starts. ``debounce_s`` delays the memory estimate
-    after a change (0: recompute at once).
+    after a change (0: recompute at once); meanwhile the readout says "estimating…" and
+    ``memory_estimate`` is None.
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, *, callbacks=None, debounce_s: float = 0.25):
+        # On the user's thread, before the first timer or thread: a first `import transformers` on a
+        # background thread can break other threads' imports of it.
+        complete_imports()
         self.caps = capabilities()
         self.callbacks = list(callbacks or [])
         self.debounce_s = float(debounce_s)
@@ -193,6 +209,7 @@ class Panel:
         self._lock = threading.RLock()
         self._mem_lock = threading.Lock()
         self._mem_timer = None
+        self._mem_gen = 0   # bumped on every change: an estimate for older values is never shown
         self._holding = False
 
         self._codecs = self._make_codecs()
@@ -259,6 +276,7 @@ class Panel:
         self.memory = widgets.HTML()
         self.error = widgets.HTML()
         self.status = widgets.HTML()
+        self.notes = widgets.HTML()   # the last run's notes and out-of-memory advice, under the status
         self.train_button = widgets.Button(description="Train", button_style="success", icon="play",
                                            tooltip="train with these settings (background thread)")
         self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop", disabled=True,
@@ -296,7 +314,7 @@ class Panel:
             self.header, self.tabs,
             widgets.VBox([self.memory], layout=box),
             self.error,
-            widgets.VBox([run_row, self.status, yaml_row], layout=box),
+            widgets.VBox([run_row, self.status, self.notes, yaml_row], layout=box),
             self.dashboard_area,
         ])
 
@@ -487,48 +505,77 @@ class Panel:
 
     # -- memory readout ----------------------------------------------------------------------
     def _schedule_memory(self) -> None:
-        if self.debounce_s <= 0:
-            self.refresh_memory()
-            return
         with self._mem_lock:
+            self._mem_gen += 1
+            gen = self._mem_gen
             if self._mem_timer is not None:
                 self._mem_timer.cancel()
+                self._mem_timer = None
+            # The old readout belongs to the old values: never leave its verdict up while the new one is pending.
+            self._show_estimating()
+        if self.debounce_s <= 0:
+            self._refresh_memory(gen)
+            return
+        with self._mem_lock:
+            if gen != self._mem_gen:
+                return
             try:   # in a kernel: run on its event loop, in the thread that owns the widgets
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 loop = None
             if loop is not None:
-                self._mem_timer = loop.call_later(self.debounce_s, self._refresh_memory_quietly)
+                self._mem_timer = loop.call_later(self.debounce_s, self._refresh_memory_quietly, gen)
             else:
-                timer = threading.Timer(self.debounce_s, self._refresh_memory_quietly)
+                timer = threading.Timer(self.debounce_s, self._refresh_memory_quietly, args=(gen,))
+                timer.name = "nbtrain-panel-memory"
                 timer.daemon = True
+                track(timer, timer.cancel)   # interpreter exit cancels it, or waits for an estimate under way
                 timer.start()
                 self._mem_timer = timer
 
-    def _refresh_memory_quietly(self) -> None:
+    def _show_estimating(self) -> None:
+        self.memory_estimate = None
+        self.memory.value = "<b>Memory</b>: " + _small("estimating…")
+
+    def _refresh_memory_quietly(self, gen: int) -> None:
         try:
-            self.refresh_memory()
+            self._refresh_memory(gen)
         except Exception as e:  # a timer has nowhere to raise to: show it instead
-            self.memory.value = _small(f"memory estimate failed: {_esc(type(e).__name__)}: {_esc(e)}", _RED)
+            with self._mem_lock:
+                if gen == self._mem_gen:
+                    self.memory.value = _small(f"memory estimate failed: {_esc(type(e).__name__)}: {_esc(e)}",
+                                               _RED)
 
     def refresh_memory(self):
         """Recompute the memory readout now from the current values; returns the MemoryEstimate (None if invalid)."""
-        cfg = self._validate()[0]
-        if cfg is None:
-            self.memory_estimate = None
-            self.memory.value = "<b>Memory</b>: " + _small("— fix the settings above to see the estimate")
-            return None
-        try:
-            from ..memory import estimate_memory
+        with self._mem_lock:
+            self._mem_gen += 1
+            gen = self._mem_gen
+            self._show_estimating()
+        return self._refresh_memory(gen)
 
-            est = estimate_memory(cfg)
-        except Exception as e:
-            self.memory_estimate = None
-            self.memory.value = "<b>Memory</b>: " + _small(f"no estimate for these settings: "
-                                                          f"{_esc(type(e).__name__)}: {_esc(e)}", _AMBER)
-            return None
-        self.memory_estimate = est
-        self.memory.value = memory_html(est, self.caps.device)
+    def _refresh_memory(self, gen: int):
+        if gen != self._mem_gen:
+            return None   # the values changed again: a newer estimate is scheduled
+        cfg = self._validate()[0]
+        est, text = None, None
+        if cfg is None:
+            text = "<b>Memory</b>: " + _small("— fix the settings above to see the estimate")
+        else:
+            try:
+                from ..memory import estimate_memory
+
+                est = estimate_memory(cfg)
+                text = memory_html(est, self.caps.device)
+            except Exception as e:
+                est = None
+                text = "<b>Memory</b>: " + _small(f"no estimate for these settings: "
+                                                  f"{_esc(type(e).__name__)}: {_esc(e)}", _AMBER)
+        with self._mem_lock:
+            if gen != self._mem_gen:
+                return est   # computed for values that are no longer shown: not put up
+            self.memory_estimate = est
+            self.memory.value = text
         return est
 
     # -- running -----------------------------------------------------------------------------
@@ -578,6 +625,7 @@ class Panel:
     def _begin(self, kind: str) -> _Job:
         job = _Job(kind)
         self._job = job
+        self.notes.value = ""
         self.train_button.disabled = True
         self.compare_button.disabled = True
         self.stop_button.disabled = False
@@ -596,7 +644,9 @@ class Panel:
             self._finish(job, error=e)
             return
         self.run = run
-        threading.Thread(target=self._watch, args=(job, run), name="nbtrain-panel-watch", daemon=True).start()
+        job.run = run
+        # Interpreter exit stops the run and waits for it, so a script that ends after Stop ends cleanly.
+        spawn(lambda: self._watch(job, run), "nbtrain-panel-watch", stop=job.halt)
 
     def _watch(self, job: _Job, run) -> None:
         # on_run_end normally finishes the job; this catches a run that died before it (bad data, ...).
@@ -634,17 +684,14 @@ class Panel:
             else:
                 self._finish(job, comparison=cmp)
 
-        self._compare_thread = threading.Thread(target=work, name="nbtrain-panel-compare", daemon=True)
-        self._compare_thread.start()
+        self._compare_thread = spawn(work, "nbtrain-panel-compare", stop=job.halt, cfg=cfg)
 
     def stop(self) -> None:
         """Stop the running Train or Compare after the current step; history is kept."""
         job = self._job
         if job is None or job.finished:
             return
-        job.stop.set()
-        if job.kind == "train" and self.run is not None:
-            self.run.stop()
+        job.halt()
         self.stop_button.disabled = True
         self._set_status("stopping after the current step…", _AMBER)
 
@@ -672,12 +719,14 @@ class Panel:
                     self._show_errors([{"field": field, "message": str(error)}])
             elif job.kind == "train":
                 self.result = result
-                self._set_status(_result_line(result), _GREEN if _reason(result) != "stopped" else _AMBER)
+                self._set_status(_result_line(result), _status_color(result))
+                self.notes.value = _notes_block([(None, result)])
                 self._show_static(result)
             else:
                 self.comparison = comparison
                 self._set_status(("stopped" if job.stop.is_set() else "done")
                                  + f" — compared {', '.join(map(str, comparison.results))}", _GREEN)
+                self.notes.value = _notes_block(list((getattr(comparison, "results", None) or {}).items()))
                 self._show_comparison(comparison)
         finally:
             self.train_button.disabled = False
@@ -718,6 +767,25 @@ def _reason(result) -> Optional[str]:
     return (getattr(result, "summary", None) or {}).get("stopped_reason")
 
 
+def _status_color(result) -> str:
+    reason = _reason(result)
+    if reason in ("max_steps", "epochs"):
+        return _GREEN
+    return _AMBER if reason in ("stopped", "interrupted") else _RED
+
+
+def _notes_block(runs: list) -> str:
+    """The notes and out-of-memory advice of ``(name, TrainResult)`` pairs, as short lists; "" when none."""
+    from ..viz.dashboard import notes_html
+
+    parts = []
+    for name, result in runs:
+        body = notes_html(result)
+        if body:
+            parts.append((f"<b>{_esc(name)}</b>" if name else "") + body)
+    return "<div style='margin-top:2px'>" + "".join(parts) + "</div>" if parts else ""
+
+
 def _result_line(result) -> str:
     s = getattr(result, "summary", None) or {}
     reason = s.get("stopped_reason")
@@ -735,6 +803,8 @@ def _result_line(result) -> str:
         head = "done"
     elif reason == "stopped":
         head = "stopped (history kept)"
+    elif reason == "out_of_memory":
+        head = "ended: out of memory (history kept)"
     else:
         head = f"ended: {reason}"
     return _esc(f"{head} — " + " · ".join(bits) + (f" ({reason})" if reason in ("max_steps", "epochs") else ""))

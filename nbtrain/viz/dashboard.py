@@ -198,6 +198,44 @@ def summary_text(records: list, evals: list, info: Any = None, result: Any = Non
     return " · ".join(parts)
 
 
+_MAX_ADVICE = 3   # the first few changes are the ones that matter; the rest stay in summary["advice"]
+
+
+def run_notes(result: Any) -> tuple[list[str], list[str]]:
+    """``(notes, advice)`` of a finished run: the engine's ``summary["notes"]`` and, after an out-of-memory
+    stop, the first few changes of ``summary["advice"]`` (with a pointer to the rest)."""
+    summ = getattr(result, "summary", None) or {}
+    notes = [str(n) for n in (summ.get("notes") or [])]
+    advice = [str(a) for a in (summ.get("advice") or [])]
+    if len(advice) > _MAX_ADVICE:
+        advice = advice[:_MAX_ADVICE] + [f"… {len(advice) - _MAX_ADVICE} more in result.summary['advice']"]
+    return notes, advice
+
+
+def notes_text(result: Any, indent: str = "  ") -> str:
+    """The run's notes and advice as indented plain-text lines ("" when it has none)."""
+    notes, advice = run_notes(result)
+    lines = [f"{indent}note: {n}" for n in notes]
+    if advice:
+        lines.append(f"{indent}to fit in memory, try:")
+        lines += [f"{indent}  - {a}" for a in advice]
+    return "\n".join(lines)
+
+
+def notes_html(result: Any) -> str:
+    """The run's notes and advice as a short HTML list ("" when it has none)."""
+    notes, advice = run_notes(result)
+    if not notes and not advice:
+        return ""
+    items = [f"<li>{html.escape(n)}</li>" for n in notes]
+    if advice:
+        items.append("<li><span style='color:#ef6c00'>to fit in memory, try:</span><ul style='margin:0;"
+                     "padding-left:18px'>" + "".join(f"<li>{html.escape(a)}</li>" for a in advice)
+                     + "</ul></li>")
+    return ("<ul style='margin:2px 0;padding-left:18px;color:#555;font-size:0.92em'>"
+            + "".join(items) + "</ul>")
+
+
 def static_bundle(fig, include_plotlyjs: Any = "cdn", text: str = "") -> dict:
     """A display bundle that survives a saved notebook: plotly JSON, HTML and plain text."""
     import plotly.io as pio
@@ -489,11 +527,15 @@ class LiveDashboard:
         if not self.display or self._fig_handle is None:
             return
         with self._lock:
-            texts = [summary_text(r.records, r.evals, r.info, r.result, r.name) for r in self._runs.values()]
-        text = "\n".join(texts)
+            runs = [(summary_text(r.records, r.evals, r.info, r.result, r.name), r.result)
+                    for r in self._runs.values()]
+        texts = [t for t, _ in runs]
+        # Each run's notes and out-of-memory advice go right under its summary line.
+        text = "\n".join(filter(None, (part for t, res in runs for part in (t, notes_text(res)))))
         js = self.static_plotlyjs if self.static_plotlyjs else False
-        self._status_handle.update({"text/html": "<div>" + "<br>".join(
-            f"<code>{html.escape(t)}</code>" for t in texts) + "</div>", "text/plain": text}, raw=True)
+        self._status_handle.update({"text/html": "<div>" + "".join(
+            f"<div><code>{html.escape(t)}</code>{notes_html(res)}</div>" for t, res in runs) + "</div>",
+            "text/plain": text}, raw=True)
         import plotly.graph_objects as go
 
         static = go.Figure(self.figure)
@@ -541,7 +583,9 @@ class LiveDashboard:
             self._bar.close()
             self._bar = None
         if self.display and run is not None:
-            print(summary_text(run.records, run.evals, run.info, run.result, run.name), flush=True)
+            notes = notes_text(run.result)
+            print(summary_text(run.records, run.evals, run.info, run.result, run.name)
+                  + ("\n" + notes if notes else ""), flush=True)
 
     def __repr__(self) -> str:
         return (f"LiveDashboard(mode={self.mode!r}, runs={list(self._runs)}, "

@@ -1,0 +1,207 @@
+"""Issue 16: runs that start safely in a fresh process, stay isolated from each other, keep what they have
+when a callback fails, and end before the interpreter does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbtrain as nbt
+
+REPS = 10
+
+# Each script is the first thing a fresh process does, in the order a notebook does it; it prints OK.
+FRESH = {
+    # Panel -> Train first thing, then Stop and leave: the run must start (no half-built transformers),
+    # and interpreter exit must stop and join it (summary.json is written by the run's end).
+    "panel_train_stop_exit": """
+        import threading
+        import nbtrain as nbt
+
+        class FirstStep:
+            seen = threading.Event()
+
+            def on_step_end(self, record):
+                self.seen.set()
+
+        p = nbt.Panel(callbacks=[FirstStep()])
+        p.controls["max_steps"].value = "200"
+        p.controls["subset"].value = "32"
+        p.controls["eval_fraction"].value = 0.0
+        p.controls["output_dir"].value = OUT
+        p.train_button.click()
+        FirstStep.seen.wait(60)
+        p.stop_button.click()
+        print("OK")
+    """,
+    "two_starts": """
+        import nbtrain as nbt
+        cfg = nbt.TrainConfig(model="tiny", max_steps=2, subset=16, eval_fraction=0, max_seq_len=32)
+        a, b = nbt.start(cfg), nbt.start(cfg.replace(seed=1))
+        a.wait(); b.wait()
+        print("OK")
+    """,
+    "compare_in_thread": """
+        import threading
+        import nbtrain as nbt
+        cfg = nbt.TrainConfig(model="tiny", max_steps=1, subset=16, eval_fraction=0, max_seq_len=32)
+        t = threading.Thread(target=nbt.compare, args=(cfg,), kwargs=dict(precisions=("fp32",), warmup=False))
+        t.start()
+        from transformers import AutoConfig  # noqa: F401
+        t.join()
+        print("OK")
+    """,
+}
+
+
+# A zygote: a fresh interpreter that imports only torch and the scientific stack (no transformers, no nbtrain)
+# and forks one child per case. Each child is a fresh process as far as the race is concerned (transformers is
+# first imported there, on whichever thread gets to it first), runs its script and leaves through a normal
+# interpreter exit (atexit, finalisation of daemon threads); forking saves the ~3 s torch import 30 times.
+ZYGOTE = """
+import json, os, sys
+import numpy, pandas, torch, yaml, pydantic, psutil  # noqa: F401  (nothing here starts a thread)
+jobs, out, parallel = json.loads(sys.argv[1]), sys.argv[2], 2
+live, status = {}, {}
+for name, code in jobs:
+    while len(live) >= parallel:
+        pid, st = os.wait()
+        status[live.pop(pid)] = os.waitstatus_to_exitcode(st)
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(os.path.join(out, name + ".log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        sys.exit(0)
+    live[pid] = name
+while live:
+    pid, st = os.wait()
+    status[live.pop(pid)] = os.waitstatus_to_exitcode(st)
+print(json.dumps(status))
+"""
+
+
+@pytest.mark.slow
+def test_fresh_process_starts_are_thread_safe_and_exit_cleanly(tmp_path):
+    """10 fresh processes per case: no import error, exit code 0, the stopped run finished before exit."""
+    jobs = []
+    for rep in range(REPS):
+        for case, body in FRESH.items():
+            name = f"{case}-{rep}"
+            jobs.append((name, f"OUT = {str(tmp_path / name)!r}\n" + textwrap.dedent(body)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", ZYGOTE, json.dumps(jobs), str(tmp_path)], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    status = json.loads(p.stdout.strip().splitlines()[-1])
+    failures = []
+    for name, _ in jobs:
+        text = (tmp_path / f"{name}.log").read_text()
+        ok = status[name] == 0 and "OK" in text and "Error" not in text and "terminate called" not in text
+        if ok and name.startswith("panel_train_stop_exit"):
+            # Exit joined the stopped run: its end-of-run work (summary.json) happened.
+            summary = tmp_path / name / "summary.json"
+            ok = summary.is_file() and json.loads(summary.read_text())["stopped_reason"] == "stopped"
+        if not ok:
+            failures.append(f"{name}: exit {status[name]}\n{text[-1500:]}")
+    assert not failures, f"{len(failures)} of {len(jobs)} fresh processes failed:\n" + "\n---\n".join(failures[:3])
+
+
+def _lora(seed: int) -> nbt.TrainConfig:
+    # LoRA: its init and its dropout both draw random numbers, so interleaved runs would differ.
+    return nbt.TrainConfig(model="tiny", subset=48, max_seq_len=32, micro_batch_size=4, max_steps=6,
+                           eval_fraction=0.0, precision="fp32", method="lora", lora_dropout=0.3, seed=seed)
+
+
+def test_concurrent_runs_equal_solo_runs_and_leave_global_rng_alone():
+    solo = {s: nbt.train(_lora(s)).history["loss"].tolist() for s in (0, 1)}
+    assert solo[0] != solo[1]
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    runs = {s: nbt.start(_lora(s)) for s in (0, 1)}
+    together = {s: r.wait().history["loss"].tolist() for s, r in runs.items()}
+    assert together == solo
+    assert torch.equal(torch.get_rng_state(), before), "a run changed the caller's global RNG state"
+
+
+def test_train_leaves_global_rng_state_as_found(tiny_cfg):
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    nbt.train(tiny_cfg.replace(max_steps=2))
+    assert torch.equal(torch.get_rng_state(), before)
+    # ... and the run does not depend on the caller's state either.
+    torch.manual_seed(99)
+    a = nbt.train(tiny_cfg.replace(max_steps=2)).history["loss"].tolist()
+    torch.manual_seed(5)
+    b = nbt.train(tiny_cfg.replace(max_steps=2)).history["loss"].tolist()
+    assert a == b
+
+
+class _FailAt:
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, rec):
+        if rec.step == self.step:
+            raise ValueError("boom")
+
+
+class _Ends:
+    def __init__(self):
+        self.results = []
+
+    def on_run_end(self, result):
+        self.results.append(result)
+
+
+def test_failing_callback_keeps_the_run(tiny_cfg, tmp_path):
+    ends = _Ends()
+    cfg = tiny_cfg.replace(max_steps=6, output_dir=str(tmp_path / "out"))
+    with pytest.raises(nbt.CallbackError, match=r"_FailAt\.on_step_end raised ValueError: boom") as info:
+        nbt.train(cfg, callbacks=[_FailAt(3), ends])
+    result = info.value.result
+    assert result is not None and len(result.history) == 3
+    assert result.summary["stopped_reason"] == "callback_error"
+    assert result.model is not None
+    assert ends.results == [result], "on_run_end must still reach every callback"
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["stopped_reason"] == "callback_error"
+
+
+def test_failing_callback_in_start_keeps_run_result(tiny_cfg):
+    run = nbt.start(tiny_cfg.replace(max_steps=5), callbacks=[_FailAt(2)])
+    with pytest.raises(nbt.CallbackError):
+        run.wait()
+    assert run.result is not None and len(run.result.history) == 2
+    assert run.result.summary["stopped_reason"] == "callback_error"
+
+
+def test_failing_on_run_end_still_reaches_later_callbacks(tiny_cfg):
+    class BadEnd:
+        def on_run_end(self, result):
+            raise RuntimeError("end")
+
+    ends = _Ends()
+    with pytest.raises(nbt.CallbackError, match="BadEnd.on_run_end") as info:
+        nbt.train(tiny_cfg.replace(max_steps=2), callbacks=[BadEnd(), ends])
+    assert ends.results == [info.value.result]
+    assert len(info.value.result.history) == 2
+
+
+def test_start_registers_its_thread_for_exit(tiny_cfg):
+    from nbtrain.engine import threads
+
+    run = nbt.start(tiny_cfg.replace(max_steps=2))
+    assert run._thread in threads._live or run.done
+    run.wait()
+    run._thread.join()
+    assert run._thread not in threads._live
