@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 import nbtrain as nbt
+from nbtrain.hardware import resolve_precision
 from nbtrain.viz.dashboard import LiveDashboard
 
 WARMUP = 5
@@ -80,7 +81,7 @@ def run(steps: int = 40, repeats: int = 3, modes=("widget", "text"), precision: 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {
         "date": dt.date.today().isoformat(), "device": device, "name": nbt.capabilities().name,
-        "precision": cfg.resolved_precision(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "precision": resolve_precision(cfg.precision), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "steps": steps, "repeats": repeats,
         "warmup_steps_excluded": WARMUP, "target_ratio": 0.98, "rows": rows,
     }

@@ -73,7 +73,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import nbtrain as nbt  # noqa: E402
 from nbtrain.data import collate, epoch_order, iter_steps, load_data  # noqa: E402
-from nbtrain.engine.precision import PRECISION_TABLE, global_torch_state  # noqa: E402
+from nbtrain.hardware import resolve_precision  # noqa: E402
+from nbtrain.precision import PRECISION_TABLE, global_torch_state  # noqa: E402
 from nbtrain.models import build_model, count_params, load_tokenizer  # noqa: E402
 
 _GIB = 2**30
@@ -375,7 +376,7 @@ def _cosine(total: int):
 
 def run_bare(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> dict:
     """The loop a person writes by hand with torch.amp, on nbtrain's batches and nbtrain's model builder."""
-    spec = PRECISION_TABLE[cfg.resolved_precision()]
+    spec = PRECISION_TABLE[resolve_precision(cfg.precision)]
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(cfg)
     data = load_data(cfg, tok)
@@ -478,7 +479,7 @@ def run_trainer(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str, tmp: 
 
     from nbtrain.integrations.exports import training_arguments_kwargs
 
-    spec = PRECISION_TABLE[cfg.resolved_precision()]
+    spec = PRECISION_TABLE[resolve_precision(cfg.precision)]
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(cfg)
     data = load_data(cfg, tok)
@@ -830,7 +831,7 @@ def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], re
             plan = plans[key]
             rec["padding_share"] = round(1 - sum(plan.tokens[:total]) / sum(plan.padded[:total]), 4)
             win = Windows(profile.warmup, nwin, per, plan.tokens[:total], device)
-            spec = PRECISION_TABLE[cfg.resolved_precision()]
+            spec = PRECISION_TABLE[resolve_precision(cfg.precision)]
             _free(device)
             with global_torch_state(spec):   # restores tf32 flags a row (or TrainingArguments) may set
                 if row.impl == "bare":

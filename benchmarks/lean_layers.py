@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import meta, write  # noqa: E402
-from nbtrain.engine.loop import compile_blocks, uncompile  # noqa: E402
+from nbtrain.engine.prepare import compile_blocks, uncompile  # noqa: E402
 from nbtrain.engine.telemetry import LiveTensorBytes  # noqa: E402
 from nbtrain.models.lean import lean_layers  # noqa: E402
 

@@ -76,11 +76,12 @@ def run_row(cfg, steps: int) -> dict:
     import torch
 
     from nbtrain.data.batching import MicroBatch
-    from nbtrain.engine.loop import micro_loss_sum
-    from nbtrain.engine.precision import PRECISION_TABLE, global_torch_state
+    from nbtrain.engine.losses import micro_loss_sum
+    from nbtrain.hardware import resolve_precision
+    from nbtrain.precision import PRECISION_TABLE, global_torch_state
     from nbtrain.models import build_model, load_tokenizer
 
-    precision = cfg.resolved_precision()
+    precision = resolve_precision(cfg.precision)
     spec = PRECISION_TABLE[precision]
     tok = load_tokenizer(cfg)
     torch.manual_seed(0)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 import nbtrain as nbt
 from nbtrain.data import iter_steps, load_data
-from nbtrain.engine.precision import PRECISION_TABLE
+from nbtrain.hardware import resolve_precision
+from nbtrain.precision import PRECISION_TABLE
 from nbtrain.models import build_model, load_tokenizer
 
 WARMUP = 5
@@ -36,7 +37,7 @@ def bench_config(precision: str, steps: int) -> nbt.TrainConfig:
 
 def bare_loop(cfg: nbt.TrainConfig, steps: int) -> list[float]:
     """The loop a person would write by hand with torch.amp; returns per-step tokens/s."""
-    spec = PRECISION_TABLE[cfg.resolved_precision()]
+    spec = PRECISION_TABLE[resolve_precision(cfg.precision)]
     tok = load_tokenizer(cfg)
     data = load_data(cfg, tok)
     torch.manual_seed(cfg.seed)

@@ -15,7 +15,7 @@ from .engine import (CallbackError, CheckpointError, EvalRecord, Finding, Run, R
 from .compare import ComparisonResult, compare
 from .hardware import Capabilities, capabilities
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _LAZY = {
     "LiveDashboard": ("nbtrain.viz.dashboard", "LiveDashboard"),

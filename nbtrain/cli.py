@@ -3,41 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import sys
 from typing import Optional, Sequence
 
 from .config import ConfigError, TrainConfig, parse_override
 from .engine.checkpoint import CheckpointError
-
-
-class ProgressBar:
-    """A tqdm bar with loss and tokens/s; ``log_every`` thins the postfix updates, never the records."""
-
-    def __init__(self, log_every: int = 1, desc: str = "train"):
-        self.log_every = log_every
-        self.desc = desc
-        self.bar = None
-
-    def on_run_start(self, info):
-        from tqdm.auto import tqdm
-
-        label = self.desc if info.variant is None else f"{self.desc} {info.variant}"
-        self.bar = tqdm(total=info.total_steps, desc=f"{label} [{info.precision_used}]", unit="step",
-                        file=sys.stderr, dynamic_ncols=True)
-
-    def on_step_end(self, rec):
-        if rec.step % self.log_every == 0:
-            flags = " SKIPPED" if rec.skipped else (" NONFINITE" if rec.nonfinite else "")
-            # no redraw of its own: update() draws the new postfix with the step, at most once per mininterval
-            self.bar.set_postfix_str(f"loss={rec.loss:.4f} tok/s={rec.tokens_per_s:,.0f}{flags}", refresh=False)
-        self.bar.update(1)
-
-    def on_eval(self, rec):
-        self.bar.write(f"step {rec.step}: eval_loss={rec.eval_loss:.4f}")
-
-    def on_run_end(self, result):
-        if self.bar is not None:
-            self.bar.close()
+from .viz.progress import ProgressBar
 
 
 class JsonlEmitter:
@@ -49,14 +23,10 @@ class JsonlEmitter:
         self.stream = stream or sys.stdout
 
     def _emit(self, event: str, payload: dict) -> None:
-        import json
-
         self.stream.write(self.PREFIX + json.dumps({"event": event, **payload}, default=str) + "\n")
         self.stream.flush()
 
     def on_run_start(self, info):
-        import dataclasses
-
         fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.name not in ("config", "model")}
         self._emit("run_start", {"info": fields})
 
@@ -67,7 +37,7 @@ class JsonlEmitter:
         self._emit("eval", {"record": rec.to_dict()})
 
     def on_run_end(self, result):
-        self._emit("run_end", {"summary": result.summary})
+        self._emit("run_end", {"summary": dict(result.summary)})
 
 
 def _load_config(path: str, sets: Sequence[str]) -> TrainConfig:
@@ -99,8 +69,6 @@ def cmd_train(args) -> int:
         cfg = cfg.replace(output_dir=args.output_dir)
     elif cfg.output_dir is None:
         cfg = cfg.replace(output_dir="runs/latest")
-    import os
-
     cbs = [JsonlEmitter()] if args.jsonl else [ProgressBar(cfg.log_every)]
     result = train(cfg, callbacks=cbs)
     if int(os.environ.get("RANK", "0")) == 0 and not args.jsonl:   # one report, from rank 0
@@ -132,6 +100,7 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_export(args) -> int:
+    # imported here: the exports load transformers' TrainingArguments, which `nbtrain --help` does not need
     from .integrations.exports import export_text
 
     cfg = _load_config(args.config, args.set)

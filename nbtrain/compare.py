@@ -29,8 +29,9 @@ import torch
 
 from .config import ConfigError, TrainConfig
 from .engine import loop as _loop  # module, not function: tests wrap _loop._run to watch the run order
+from ._version import __version__
 from .engine.threads import complete_imports
-from .hardware import capabilities, default_device, resolve_precision
+from .hardware import capabilities, check_runnable, default_device, resolve_precision
 
 # Config fields that change the initial weights on purpose (a LoRA adapter adds weights, QLoRA
 # quantises them, another model is another model). A differing init hash they explain is expected.
@@ -103,6 +104,7 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     for o in outcomes:
         try:
             o.config = base.replace(**o.overrides)
+            check_runnable(o.config)   # a precision or method this device cannot run is a row, not a failure
         except ConfigError as e:
             o.status = "unsupported"
             o.notes.append(_config_reason(e))
@@ -443,10 +445,10 @@ class ComparisonResult:
     def figure(self, smoothing: float = 0.9):
         """Overlaid loss, grad norm, loss scale and memory per variant, the loss difference to the
         reference, and bars of throughput and peak memory (a plotly Figure)."""
-        from .viz.compare_view import comparison_figure
+        from .viz.figures import compare_figure
 
         not_run = {r.variant: r.notes for r in self.table.itertuples() if r.variant not in self.results}
-        return comparison_figure(
+        return compare_figure(
             {n: r.history for n, r in self.results.items()}, reference=self.reference,
             summaries=self.summaries(), eval_histories={n: r.eval_history for n, r in self.results.items()},
             infos={n: r.info for n, r in self.results.items()}, not_run=not_run, smoothing=smoothing)
@@ -546,8 +548,6 @@ is the reference):</p>
 def environment() -> dict[str, str]:
     """Library versions and the device, for a report that says where its numbers come from."""
     from importlib import metadata
-
-    from . import __version__
 
     env = {"python": sys.version.split()[0], "platform": platform.platform(), "nbtrain": __version__}
     for lib in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "numpy", "pandas", "plotly"):

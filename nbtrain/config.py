@@ -1,4 +1,10 @@
-"""TrainConfig: every knob of a run, validated at construction, YAML in and out."""
+"""TrainConfig: every knob of a run, validated at construction, YAML in and out.
+
+A TrainConfig is a portable value: its checks are field types, ranges and rules between fields, never a
+question about this machine or a model's files. What depends on those (can this device run tf32? does
+the model have these LoRA targets?) is checked when a run or an estimate prepares:
+``nbtrain.hardware.check_runnable`` and ``nbtrain.models.check_lora_targets``. So a config written for a
+GPU loads, edits, estimates and exports anywhere."""
 
 from __future__ import annotations
 
@@ -8,10 +14,15 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, \
-    model_validator
-
-from .hardware import capabilities, resolve_precision
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Precision = Literal["auto", "fp32", "tf32", "fp16", "bf16"]
 Task = Literal["causal-lm", "sequence-classification"]
@@ -47,58 +58,71 @@ def _describe(err: dict) -> tuple[str, str]:
 
 
 class TrainConfig(BaseModel):
-    """Everything a run needs. Bad values fail here, naming the field, the value and what is allowed."""
+    """Everything a run needs. Bad values fail here, naming the field, the value and what is allowed.
+
+    Each field's help text is its ``description`` (``TrainConfig.model_fields[name].description``)."""
 
     # no inf/nan in any float field: they pass every bound check and break the run only later
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
-    model: str = Field("tiny", description="preset name, Hugging Face model id or local directory")
-    task: Task = "causal-lm"
-    data: str = Field("builtin:python-docs", description="builtin:<name>, a local file/dir, or a dataset id")
-    text_column: str = "text"
-    label_column: str = "label"
-    max_seq_len: int = Field(128, ge=8, le=131072, description="truncation length in tokens")
-    subset: Optional[int] = Field(None, ge=1, description="use only the first N examples")
-    precision: Precision = "auto"
-    micro_batch_size: int = Field(8, ge=1, le=4096)
-    grad_accum_steps: int = Field(1, ge=1, le=4096)
-    method: Method = "full"
-    lora_r: int = Field(8, ge=1, le=4096)
-    lora_alpha: float = Field(16, gt=0)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    lora_targets: Union[str, list[str]] = "all-linear"
-    quant_bits: int = 4
-    gradient_checkpointing: bool = False
-    lr: float = Field(3e-4, gt=0, le=10)
-    weight_decay: float = Field(0.0, ge=0)
-    scheduler: Scheduler = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    max_steps: Optional[int] = Field(100, ge=1)
-    epochs: Optional[float] = Field(None, gt=0)
-    max_grad_norm: Optional[float] = Field(1.0, ge=0)
-    packing: bool = False
-    eval_fraction: float = Field(0.05, ge=0, lt=1)
-    eval_every: Optional[int] = Field(None, ge=1)
-    log_every: int = Field(1, ge=1)
-    seed: int = Field(0, ge=0, lt=2**32)
-    output_dir: Optional[str] = None
+    model: str = Field("tiny", description="preset name ('tiny'), a Hugging Face model id, or a local directory")
+    task: Task = Field("causal-lm", description="next-token prediction, or one label per example")
+    data: str = Field("builtin:python-docs", description="builtin:<name>, a local file or directory (txt, csv, "
+                      "json/jsonl, parquet), or a dataset id")
+    text_column: str = Field("text", description="column with the text (files and dataset ids)")
+    label_column: str = Field("label", description="column with the class label (classification only)")
+    max_seq_len: int = Field(128, ge=8, le=131072,
+                             description="tokens per example; longer ones are cut (a.k.a. cutoff_len)")
+    subset: Optional[int] = Field(None, ge=1, description="first N examples only (before the eval split); "
+                                                          "blank = all")
+    precision: Precision = Field("auto", description="auto (bf16 where supported, else fp16 on CUDA, else fp32), "
+                                                     "fp32, tf32 (Ampere+ GPUs), fp16 (with a GradScaler) or bf16")
+    micro_batch_size: int = Field(8, ge=1, le=4096,
+                                  description="examples per forward/backward: drives activation memory")
+    grad_accum_steps: int = Field(1, ge=1, le=4096,
+                                  description="micro-batches whose gradients add up to one optimizer step")
+    method: Method = Field("full", description="full (every weight trains), lora (small adapters on a frozen "
+                                               "base) or qlora (LoRA on a 4/8-bit quantised base)")
+    lora_r: int = Field(8, ge=1, le=4096, description="adapter rank: trainable parameters grow linearly with r")
+    lora_alpha: float = Field(16, gt=0, description="adapter scale = alpha / r")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter input")
+    lora_targets: Union[str, list[str]] = Field("all-linear", description="module names, comma-separated, or "
+                                                                          "all-linear")
+    quant_bits: int = Field(4, description="how the frozen base is stored (bitsandbytes): 4 (nf4) or 8 (int8)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, "
+                                                            "~30% slower")
+    lr: float = Field(3e-4, gt=0, le=10, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    scheduler: Scheduler = Field("cosine", description="how the learning rate moves after warmup")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup from 0")
+    max_steps: Optional[int] = Field(100, ge=1, description="optimizer steps to run; wins over epochs")
+    epochs: Optional[float] = Field(None, gt=0, description="passes over the training set, when max steps is "
+                                                            "blank")
+    max_grad_norm: Optional[float] = Field(1.0, ge=0, description="clip the total gradient L2 norm; blank or 0 = "
+                                                                  "off (still measured)")
+    packing: bool = Field(False, description="concatenate texts and cut into max_seq_len blocks: no padding")
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="share of examples held out for evaluation; "
+                                                               "0 = none")
+    eval_every: Optional[int] = Field(None, ge=1, description="evaluate every N optimizer steps; blank = only at "
+                                                              "the end")
+    log_every: int = Field(1, ge=1, description="print every N steps (every step is recorded)")
+    seed: int = Field(0, ge=0, lt=2**32, description="data order, eval split and initial weights")
+    output_dir: Optional[str] = Field(None, description="write config, history and summary here")
     nonfinite: Optional[NonFinitePolicy] = Field(
-        None, description="what a non-finite step does without a GradScaler: skip, stop or continue "
-                          "(default: skip with a scaler, stop without)")
-    chunked_loss: bool = Field(False, description="causal LM: compute the loss chunk by chunk from the hidden "
-                                                  "states, never materialising the full fp32 logits")
-    loss_chunk_tokens: int = Field(1024, ge=16, description="tokens per chunk of the chunked loss (a chunk's fp32 "
-                                   "logits take tokens x vocab x 4 bytes)")
-    lean_layers: bool = Field(False, description="Llama-style layers keep less for backward: the SwiGLU MLP and "
-                                                 "RMSNorm recompute their cheap intermediates (equal results, less "
-                                                 "activation memory; not applied under compile)")
-    compile: bool = Field(False, description="torch.compile each model layer (the first steps pay the compile time)")
-    auto_batch_size: bool = Field(False, description="find the largest micro batch that fits and raise "
-                                                     "grad_accum_steps to keep the effective batch")
-    save_every: Optional[int] = Field(None, ge=1, description="write a checkpoint every N optimizer steps "
-                                                              "(under output_dir/checkpoints)")
-    resume_from: Optional[str] = Field(None, description="a checkpoint directory (or a checkpoints/ folder: "
-                                                         "its newest valid checkpoint) to continue from")
+        None, description="what a step with inf/nan does when no GradScaler skips it: skip, stop or continue "
+                          "(blank: skip with a scaler, stop without)")
+    chunked_loss: bool = Field(False, description="compute the loss chunk by chunk: the full fp32 logits never "
+                                                  "exist (less memory)")
+    loss_chunk_tokens: int = Field(1024, ge=16, description="target tokens per chunk of the chunked loss")
+    lean_layers: bool = Field(False, description="Llama-style MLP and norms recompute cheap intermediates in "
+                                                 "backward: same results, less memory")
+    compile: bool = Field(False, description="torch.compile each layer: faster steps after a slow first one")
+    auto_batch_size: bool = Field(False, description="find the largest micro batch that fits; accumulation keeps "
+                                                     "the effective batch")
+    save_every: Optional[int] = Field(None, ge=1, description="write a checkpoint (weights, optimizer, RNG, "
+                                                              "history) every N steps into output_dir")
+    resume_from: Optional[str] = Field(None, description="a checkpoint directory, or output_dir: continue that run "
+                                                         "exactly")
 
     def __init__(self, **data: Any):
         try:
@@ -179,21 +203,6 @@ class TrainConfig(BaseModel):
         if self.save_every and not self.output_dir:
             raise ValueError(f"save_every: {self.save_every} needs output_dir to be set (checkpoints go to "
                              "output_dir/checkpoints)")
-        caps = capabilities()
-        if self.precision != "auto" and self.precision in caps.reasons:
-            raise ValueError(f"precision: {self.precision!r} cannot run on this {caps.device} "
-                             f"({caps.name}): {caps.reasons[self.precision]}")
-        if self.method in caps.reasons:
-            raise ValueError(f"method: {self.method!r} cannot run here: {caps.reasons[self.method]}")
-        if self.method in ("lora", "qlora") and isinstance(self.lora_targets, list):
-            from .models import known_module_names  # lazy: only for explicit target lists
-
-            names = known_module_names(self.model, self.task)
-            if names is not None:
-                unknown = [t for t in self.lora_targets if t not in names]
-                if unknown:
-                    raise ValueError(f"lora_targets: {unknown} not found in model {self.model!r}; "
-                                     f"it has {sorted(names)} (or use 'all-linear')")
         return self
 
     # -- conveniences --------------------------------------------------------------------------
@@ -201,10 +210,6 @@ class TrainConfig(BaseModel):
     def effective_batch_size(self) -> int:
         """Examples per optimizer step: micro_batch_size x grad_accum_steps."""
         return self.micro_batch_size * self.grad_accum_steps
-
-    def resolved_precision(self) -> str:
-        """The concrete precision this config runs with on this device ("auto" resolved)."""
-        return resolve_precision(self.precision)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A validated copy with ``changes`` applied."""
@@ -231,40 +236,6 @@ class TrainConfig(BaseModel):
             return cls(**data)
         except ConfigError as e:
             raise ConfigError(f"{p}: {e}", field=e.field, errors=e.errors) from None
-
-    # -- exports to the tools people run in production (nbtrain.integrations.exports) -----------------------
-    def to_training_arguments(self, output_dir: str | None = None, **overrides: Any):
-        """A transformers.TrainingArguments with the matching precision, batch, accumulation, clipping and
-        schedule (plus ``.peft_config`` / ``.quantization_config`` attributes for lora/qlora)."""
-        from .integrations.exports import to_training_arguments
-
-        return to_training_arguments(self, output_dir=output_dir, **overrides)
-
-    def to_llamafactory_yaml(self, path: str | os.PathLike | None = None) -> str:
-        """A LLaMA-Factory training YAML for this config; written to ``path`` when given."""
-        from .integrations.exports import to_llamafactory_yaml
-
-        return to_llamafactory_yaml(self, path)
-
-    def to_autotrain_yaml(self, path: str | os.PathLike | None = None) -> str:
-        """An AutoTrain Advanced YAML for this config; written to ``path`` when given."""
-        from .integrations.exports import to_autotrain_yaml
-
-        return to_autotrain_yaml(self, path)
-
-    @classmethod
-    def from_llamafactory_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "TrainConfig":
-        """Read the keys of a LLaMA-Factory YAML that map to TrainConfig; the rest are named in a warning."""
-        from .integrations.exports import from_llamafactory_yaml
-
-        return from_llamafactory_yaml(path, **overrides)
-
-    @classmethod
-    def from_autotrain_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "TrainConfig":
-        """Read the keys of an AutoTrain YAML that map to TrainConfig; the rest are named in a warning."""
-        from .integrations.exports import from_autotrain_yaml
-
-        return from_autotrain_yaml(path, **overrides)
 
     def __repr__(self) -> str:
         changed = {k: v for k, v in self.to_dict().items() if v != type(self).model_fields[k].default}

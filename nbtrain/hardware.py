@@ -1,4 +1,4 @@
-"""What this device can run, and why not: ``capabilities()``."""
+"""What this device can run, and why not: ``capabilities()``; ``check_runnable(cfg)`` for one config."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import platform
 from dataclasses import dataclass, field
 
 import torch
+
+from .config import ConfigError, TrainConfig
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 METHODS = ("full", "lora", "qlora")
@@ -168,3 +170,18 @@ def resolve_precision(precision: str, caps: Capabilities | None = None) -> str:
     """Turn ``"auto"`` into a concrete precision name for this device; other names pass through."""
     caps = caps or capabilities()
     return caps.auto_precision if precision == "auto" else precision
+
+
+def check_runnable(cfg: TrainConfig, caps: Capabilities | None = None) -> str:
+    """The precision ``cfg`` runs with on this device (``"auto"`` resolved); raises ConfigError (field
+    ``precision`` or ``method``) with the reason when this device cannot run its precision or method.
+
+    A TrainConfig never asks this at construction (a GPU config loads anywhere); a run or an estimate
+    asks it when it prepares."""
+    caps = caps or capabilities()
+    if cfg.precision != "auto" and cfg.precision in caps.reasons:
+        raise ConfigError(f"precision: {cfg.precision!r} cannot run on this {caps.device} ({caps.name}): "
+                          f"{caps.reasons[cfg.precision]}", field="precision")
+    if cfg.method in caps.reasons:
+        raise ConfigError(f"method: {cfg.method!r} cannot run here: {caps.reasons[cfg.method]}", field="method")
+    return resolve_precision(cfg.precision, caps)

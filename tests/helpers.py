@@ -26,17 +26,17 @@ class Collect:
 
 
 def after_build(monkeypatch, modify):
-    """Patch nbtrain.models.build_model so ``modify(model)`` runs on every model the engine builds."""
-    import nbtrain.models as models
+    """Patch the engine's build_model so ``modify(model)`` runs on every model a run builds."""
+    import nbtrain.engine.prepare as prepare
 
-    original = models.build_model
+    original = prepare.build_model
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)
         modify(model)
         return model
 
-    monkeypatch.setattr(models, "build_model", build)
+    monkeypatch.setattr(prepare, "build_model", build)
 
 
 def inject_inf(monkeypatch, on_forward_calls):

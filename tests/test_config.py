@@ -1,9 +1,15 @@
-"""TrainConfig: validation names the field; YAML round-trips exactly; capabilities gate precisions."""
+"""TrainConfig: validation names the field; YAML round-trips exactly; every field has its help text; the
+config is a pure value (what the device or the model allows is checked by check_runnable / check_lora_targets)."""
+
+import ast
+from pathlib import Path
 
 import pytest
 
 import nbtrain as nbt
-from nbtrain.config import ConfigError, parse_override
+from nbtrain.config import ConfigError, TrainConfig, parse_override
+from nbtrain.hardware import check_runnable, resolve_precision
+from nbtrain.models import check_lora_targets
 
 BAD = [
     (dict(precision="fp8"), "precision"),
@@ -38,18 +44,26 @@ def test_bad_values_name_the_field(kwargs, field):
         assert repr(value) in str(e.value) or str(value) in str(e.value)
 
 
-def test_unknown_lora_target_fails_at_config_time():
-    with pytest.raises(ConfigError, match="lora_targets.*nope"):
-        nbt.TrainConfig(method="lora", lora_targets=["q_proj", "nope"])
+def test_unknown_lora_target_fails_when_checked_not_at_construction():
+    cfg = nbt.TrainConfig(method="lora", lora_targets=["q_proj", "nope"])   # the model is not asked here
+    with pytest.raises(ConfigError, match="lora_targets.*nope") as e:
+        check_lora_targets(cfg)
+    assert e.value.field == "lora_targets" and "q_proj" in str(e.value) and "all-linear" in str(e.value)
+    check_lora_targets(cfg.replace(lora_targets=["q_proj", "v_proj"]))      # known names pass
+    check_lora_targets(cfg.replace(lora_targets="all-linear"))
+    check_lora_targets(cfg.replace(method="full"))                           # full fine-tuning has no targets
+    check_lora_targets(cfg.replace(model="no-such-org/no-such-model-xyz"))   # not cached: cannot tell, no error
 
 
-def test_precision_the_device_cannot_run_gives_reason():
+def test_precision_the_device_cannot_run_gives_reason_when_checked():
     caps = nbt.capabilities()
     for p, why in caps.reasons.items():
         if p in ("fp32", "tf32", "fp16", "bf16"):
+            cfg = nbt.TrainConfig(precision=p)   # a config for another machine loads here
             with pytest.raises(ConfigError, match="precision") as e:
-                nbt.TrainConfig(precision=p)
-            assert why in str(e.value)
+                check_runnable(cfg)
+            assert e.value.field == "precision"
+            assert why in str(e.value) and f"{p!r} cannot run on this {caps.device}" in str(e.value)
 
 
 def test_auto_precision_resolves_per_rule():
@@ -57,7 +71,34 @@ def test_auto_precision_resolves_per_rule():
     cfg = nbt.TrainConfig(precision="auto")
     expected = "bf16" if caps.bf16_supported and (caps.device == "cuda" or caps.bf16_native) else (
         "fp16" if caps.device == "cuda" else "fp32")
-    assert cfg.resolved_precision() == expected
+    assert resolve_precision(cfg.precision) == expected
+    assert check_runnable(cfg) == expected
+    assert check_runnable(cfg.replace(precision="fp32")) == "fp32"
+
+
+def test_every_field_has_a_description():
+    """The one source of each field's help text (the Panel shows it)."""
+    missing = [name for name, f in TrainConfig.model_fields.items() if not (f.description or "").strip()]
+    assert not missing
+
+
+def test_config_module_imports_nothing_from_nbtrain():
+    """config.py is the ground floor: stdlib, pydantic and yaml only (hardware and models import it)."""
+    import nbtrain.config
+
+    tree = ast.parse(Path(nbtrain.config.__file__).read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            roots.add("." if node.level else node.module.split(".")[0])
+    assert "." not in roots and "nbtrain" not in roots
+    assert roots - {"__future__", "os", "re", "pathlib", "typing"} == {"yaml", "pydantic"}
+    assert not hasattr(TrainConfig, "resolved_precision")
+    for name in ("to_training_arguments", "to_llamafactory_yaml", "to_autotrain_yaml", "from_llamafactory_yaml",
+                 "from_autotrain_yaml"):
+        assert not hasattr(TrainConfig, name), name   # exports are functions of nbtrain.integrations.exports
 
 
 def test_yaml_round_trip_exact(tmp_path):

@@ -128,7 +128,7 @@ def test_compiled_layers_keep_the_eager_attention_kernel():
     is_causal) as in eager mode, not the explicit-mask one a whole-model compile would trace."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nbtrain.engine.loop import compile_blocks, uncompile
+    from nbtrain.engine.prepare import compile_blocks, uncompile
     from nbtrain.models import build_model, load_tokenizer
 
     cfg = nbt.TrainConfig(precision="bf16")

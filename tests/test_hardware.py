@@ -56,7 +56,28 @@ def test_qlora_gated_without_bitsandbytes(monkeypatch):
     try:
         caps = nbt.capabilities("cpu")
         assert "qlora" not in caps.allowed_methods and "method='lora'" in caps.reasons["qlora"]
-        with pytest.raises(nbt.ConfigError, match="(?s)method.*bitsandbytes.*lora"):
-            nbt.TrainConfig(method="qlora")
+        cfg = nbt.TrainConfig(method="qlora")   # loads and edits anywhere; a run or an estimate asks
+        with pytest.raises(nbt.ConfigError, match="(?s)method.*bitsandbytes.*lora") as e:
+            hardware.check_runnable(cfg)
+        assert e.value.field == "method"
+        assert hardware.check_runnable(cfg.replace(method="lora", precision="fp32")) == "fp32"
     finally:
         hardware._capabilities.cache_clear()
+
+
+def test_check_runnable_names_the_precision_and_resolves_auto(fake_cuda):
+    t4 = fake_cuda("Tesla T4", (7, 5), 15.0, False)
+    cfg = nbt.TrainConfig(precision="tf32")
+    with pytest.raises(nbt.ConfigError) as e:
+        hardware.check_runnable(cfg, t4)
+    assert e.value.field == "precision"
+    assert str(e.value).startswith("precision: 'tf32' cannot run on this cuda (Tesla T4): ")
+    assert t4.reasons["tf32"] in str(e.value)
+    assert hardware.check_runnable(cfg.replace(precision="auto"), t4) == "fp16"   # auto resolved for that device
+    assert hardware.check_runnable(cfg.replace(precision="fp16"), t4) == "fp16"
+    h200 = fake_cuda("NVIDIA H200", (9, 0), 139.8, True)
+    assert hardware.check_runnable(cfg, h200) == "tf32"
+    assert hardware.check_runnable(cfg.replace(precision="auto"), h200) == "bf16"
+    cpu = nbt.capabilities("cpu")
+    with pytest.raises(nbt.ConfigError, match=r"precision: 'tf32' cannot run on this cpu \("):
+        hardware.check_runnable(cfg, cpu)

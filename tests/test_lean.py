@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import nbtrain as nbt
-import nbtrain.engine.loop as loop
+import nbtrain.engine.prepare as prepare_mod
 from nbtrain.data.batching import MicroBatch
-from nbtrain.engine.loop import micro_loss_sum
-from nbtrain.engine.precision import PRECISION_TABLE
+from nbtrain.engine.losses import micro_loss_sum
+from nbtrain.precision import PRECISION_TABLE
 from nbtrain.hardware import capabilities
 from nbtrain.models import build_model, load_tokenizer
 from nbtrain.models.lean import lean_layers
@@ -118,7 +118,7 @@ def test_not_applied_under_compile(tiny_cfg, monkeypatch):
         seen["lean"] = any("forward" in m.__dict__ for m in model.modules())
         return []
 
-    monkeypatch.setattr(loop, "compile_blocks", fake_compile)
+    monkeypatch.setattr(prepare_mod, "compile_blocks", fake_compile)
     r = nbt.train(tiny_cfg.replace(max_steps=1, lean_layers=True, compile=True))
     assert seen == {"lean": False}
     assert any("not applied under compile" in n for n in r.summary["notes"])

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import nbtrain as nbt
 from nbtrain.data import iter_steps, load_data
-from nbtrain.engine.loop import loss_sum
+from nbtrain.engine.losses import loss_sum
 from nbtrain.engine.losses import ChunkedLossError, chunked_loss_sum
 from nbtrain.models import build_model, load_tokenizer
 
@@ -211,7 +211,7 @@ def test_frozen_head_makes_no_weight_gradient_and_no_grad_mode_makes_none():
 
 def test_chunked_eval_loss_equals_plain_eval_loss(monkeypatch):
     """With chunked_loss on, the evaluation is chunked too (it must not need the full logits)."""
-    import nbtrain.engine.loop as loop
+    import nbtrain.engine.losses as losses
 
     calls = {True: 0, False: 0}
 
@@ -219,7 +219,7 @@ def test_chunked_eval_loss_equals_plain_eval_loss(monkeypatch):
         calls[torch.is_grad_enabled()] += 1
         return chunked_loss_sum(*a, **kw)
 
-    monkeypatch.setattr(loop, "chunked_loss_sum", spy)
+    monkeypatch.setattr(losses, "chunked_loss_sum", spy)
     cfg = nbt.TrainConfig(model="tiny", subset=64, max_seq_len=40, max_steps=2, precision="fp32",
                           eval_fraction=0.25, eval_every=2, lr=1e-3)
     plain = nbt.train(cfg)
@@ -235,7 +235,7 @@ def test_compile_blocks_one_graph_for_every_layer_and_causal_sdpa():
     """compile=True compiles each decoder layer in place: one graph serves all of them, parameter names are
     unchanged, the mask logic stays eager so SDPA gets is_causal (flash on a GPU) instead of an explicit mask,
     and the numbers equal the eager model's."""
-    from nbtrain.engine.loop import compile_blocks, uncompile
+    from nbtrain.engine.prepare import compile_blocks, uncompile
 
     tok = load_tokenizer(nbt.TrainConfig())
     torch.manual_seed(0)
@@ -314,8 +314,8 @@ def test_loss_adds_no_host_read_to_the_models_own(chunked):
     """On a GPU a host read is a device sync. The loss and its backward add none to what the model's forward
     does itself (transformers' eager mask logic reads the mask once)."""
     from nbtrain.data.batching import MicroBatch
-    from nbtrain.engine.loop import micro_loss_sum
-    from nbtrain.engine.precision import PRECISION_TABLE
+    from nbtrain.engine.losses import micro_loss_sum
+    from nbtrain.precision import PRECISION_TABLE
 
     cfg = nbt.TrainConfig(precision="fp32")
     tok = load_tokenizer(cfg)
@@ -358,8 +358,8 @@ def test_compilable_chunk_gradient_equals_the_eager_one():
 
 def test_compile_option_reaches_the_chunked_loss(monkeypatch):
     """With compile=True (bf16, chunked loss) the loop uses the compiled chunk gradient; without it, not."""
-    import nbtrain.engine.loop as loop
     import nbtrain.engine.losses as losses
+    import nbtrain.engine.prepare as prepare_mod
 
     calls = []
 
@@ -370,7 +370,7 @@ def test_compile_option_reaches_the_chunked_loss(monkeypatch):
         return fn
 
     monkeypatch.setattr(losses, "_compiled_ce", counting)
-    monkeypatch.setattr(loop, "compile_blocks", lambda model: [])   # the layers' compilation is tested above
+    monkeypatch.setattr(prepare_mod, "compile_blocks", lambda model: [])   # the layers' compilation is tested above
     cfg = nbt.TrainConfig(model="tiny", subset=48, max_seq_len=40, max_steps=2, precision="bf16",
                           eval_fraction=0.0, chunked_loss=True, loss_chunk_tokens=64)
     plain = nbt.train(cfg)

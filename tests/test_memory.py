@@ -11,8 +11,8 @@ import torch
 
 from nbtrain.config import TrainConfig
 from nbtrain.data.batching import MicroBatch
-from nbtrain.engine.loop import micro_loss_sum
-from nbtrain.engine.precision import PRECISION_TABLE
+from nbtrain.engine.losses import micro_loss_sum
+from nbtrain.precision import PRECISION_TABLE
 from nbtrain.engine.telemetry import LiveTensorBytes
 from nbtrain.hardware import capabilities
 from nbtrain.memory import Advice, MemoryEstimate, estimate_memory, format_estimate

@@ -180,7 +180,7 @@ def test_five_runs_no_leak_no_bleed(tiny_cfg):
     import psutil
 
     proc = psutil.Process()
-    from nbtrain.engine.precision import tf32_state
+    from nbtrain.precision import tf32_state
 
     flags = lambda: (torch.get_default_dtype(), torch.is_grad_enabled(), tf32_state())  # noqa: E731
     before = flags()

@@ -15,7 +15,7 @@ from .helpers import Collect
 
 ipywidgets = pytest.importorskip("ipywidgets")
 
-from nbtrain.ui.panel import SECTIONS, Panel, fmt_gib  # noqa: E402 (after the importorskip)
+from nbtrain.ui.panel import SECTIONS, Panel  # noqa: E402 (after the importorskip)
 
 SMALL = {"model": "tiny", "data": "builtin:python-docs", "subset": 48, "max_seq_len": 32, "micro_batch_size": 4,
          "eval_fraction": 0.0, "precision": "fp32", "lr": 1e-3}
@@ -229,7 +229,7 @@ def test_precision_buttons_select_one_option():
 
 def test_method_fields_that_do_not_apply_are_hidden():
     panel = Panel(small(), debounce_s=0)
-    rows = panel._rows
+    rows = panel.form.rows
     lora = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
     assert all(rows[f].layout.display == "none" for f in lora + ("quant_bits",))
     assert rows["gradient_checkpointing"].layout.display != "none"
@@ -267,7 +267,7 @@ def test_invalid_value_shows_inline_message_and_starts_nothing(field, value, nee
     assert panel.errors[0]["field"] == field
     panel.train_button.click()
     panel.compare_button.click()
-    assert panel.run is None and panel._job is None
+    assert panel.run is None and panel.runner.job is None
     assert "not started" in panel.status.value
     assert not panel.train_button.disabled
     with pytest.raises(ConfigError):
@@ -302,8 +302,8 @@ def test_memory_readout_follows_the_settings_and_matches_estimate_memory():
     def check():
         est = memory.estimate_memory(panel.config)
         assert panel.memory_estimate == est
-        assert fmt_gib(est.total_gib) in panel.memory.value
-        assert fmt_gib(est.device_total_gib) in panel.memory.value
+        assert memory.fmt_gib(est.total_gib) in panel.memory.value
+        assert memory.fmt_gib(est.device_total_gib) in panel.memory.value
         assert ("✓ fits" if est.fits else "✗ does not fit") in panel.memory.value
         seen.append(panel.memory.value)
 
@@ -392,7 +392,7 @@ def test_a_run_that_fails_shows_its_error_and_frees_the_buttons(tmp_path):
     assert panel.errors == []
     panel.train_button.click()
     assert panel.wait(TIMEOUT) is None
-    assert panel._job.done.is_set()
+    assert panel.runner.job.done.is_set()
     assert "error" in panel.status.value and "text" in panel.status.value
     assert panel.result is None
     assert not panel.train_button.disabled and panel.stop_button.disabled
@@ -430,3 +430,21 @@ def test_stop_during_compare_stops_every_variant():
         assert res.summary["stopped_reason"] == "stopped", name
         assert 1 <= res.summary["steps"] <= 6, name
     assert "stopped" in panel.status.value and not panel.train_button.disabled
+
+
+def test_a_runs_config_error_marks_its_field():
+    # What TrainConfig allows but this machine cannot run fails in the run's prepare phase, naming the field.
+    panel = Panel(small(), debounce_s=0)
+    job = panel.runner.begin("train")
+    panel.runner.finish(job, error=ConfigError("precision: 'bf16' cannot run here: no bf16", field="precision"))
+    assert "error" in panel.status.value and "no bf16" in panel.status.value
+    assert panel.controls["precision"].layout.border and not panel.controls["lr"].layout.border
+    assert "precision" in panel.error.value
+    assert panel.tabs.selected_index == list(SECTIONS).index("Precision")
+    assert not panel.train_button.disabled
+
+
+def test_field_help_is_the_config_description():
+    panel = Panel(debounce_s=0)
+    for name, info in TrainConfig.model_fields.items():
+        assert html.escape(info.description or "") in panel.form.help[name].value, name

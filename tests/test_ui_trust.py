@@ -16,6 +16,7 @@ from nbtrain.engine import threads
 ipywidgets = pytest.importorskip("ipywidgets")
 
 import nbtrain.ui.panel as panel_mod  # noqa: E402 (after the importorskip)
+from nbtrain.ui import render  # noqa: E402
 from nbtrain.ui.panel import Panel  # noqa: E402
 from nbtrain.viz import dashboard as D  # noqa: E402
 
@@ -94,9 +95,9 @@ def test_debounced_estimate_replaces_estimating_with_the_new_result():
 # -- notes and advice ------------------------------------------------------------------------------
 def test_panel_shows_notes_and_oom_advice_of_a_train():
     panel = Panel(small(), debounce_s=0)
-    job = panel._begin("train")
-    panel._finish(job, result=oom_result())
-    assert "out of memory" in panel.status.value and panel_mod._RED in panel.status.value
+    job = panel.runner.begin("train")
+    panel.runner.finish(job, result=oom_result())
+    assert "out of memory" in panel.status.value and render.RED in panel.status.value
     shown = panel.notes.value
     for note in NOTES:
         assert html.escape(note) in shown
@@ -105,7 +106,7 @@ def test_panel_shows_notes_and_oom_advice_of_a_train():
     assert "2 more" in shown and html.escape(ADVICE[4]) not in shown   # a short list
     box = next(c for c in panel.widget.children if panel.status in getattr(c, "children", ()))
     assert box.children.index(panel.notes) == box.children.index(panel.status) + 1   # under the status line
-    panel._begin("train")     # the next press clears them
+    panel.runner.begin("train")     # the next press clears them
     assert panel.notes.value == ""
 
 
@@ -113,8 +114,8 @@ def test_panel_shows_notes_per_variant_after_a_compare():
     panel = Panel(small(), debounce_s=0)
     plain = SimpleNamespace(summary={"steps": 2, "stopped_reason": "max_steps", "notes": []})
     cmp = SimpleNamespace(results={"fp32": plain, "fp16": oom_result()}, table=None)
-    job = panel._begin("compare")
-    panel._finish(job, comparison=cmp)
+    job = panel.runner.begin("compare")
+    panel.runner.finish(job, comparison=cmp)
     shown = panel.notes.value
     assert "<b>fp16</b>" in shown and "<b>fp32</b>" not in shown
     assert html.escape(NOTES[0]) in shown and html.escape(ADVICE[0]) in shown
@@ -222,7 +223,7 @@ def test_train_and_compare_threads_are_registered_and_their_stop_ends_the_job():
     for p, box in panel.compare_choices.items():
         box.value = p == "fp32"
     panel.compare_button.click()
-    th = panel._compare_thread
+    th = panel.runner.compare_thread
     assert th in threads._live and th.is_alive()
     threads._live[th]()
     th.join(TIMEOUT)

@@ -14,6 +14,7 @@ import pytest
 from nbtrain.engine.records import EvalRecord, RunInfo, StepRecord
 from nbtrain.viz import dashboard as D
 from nbtrain.viz import figures as F
+from nbtrain.viz import text as T
 from nbtrain.viz.dashboard import LiveDashboard
 
 PANELS = ("loss", "grad_norm", "scale", "memory")
@@ -290,7 +291,7 @@ def test_thousand_fast_steps_redraw_at_most_5_per_second_and_end_complete():
 def test_throttle_spacing_with_a_controlled_clock():
     now = [0.0]
     dash = LiveDashboard(mode="widget", display=False, max_redraws_per_s=5)
-    dash._clock = lambda: now[0]
+    dash.tracker.clock = lambda: now[0]
     calls = count_batch_updates(dash.figure, clock=lambda: now[0])
     dash.on_run_start(make_info(total_steps=1000))
     start_draws = len(calls)
@@ -366,12 +367,12 @@ def test_widget_mode_shows_the_widget_then_replaces_it_by_a_static_copy(fake_dis
     recs = make_records(20)
     dash.on_run_start(make_info(total_steps=20))
     status, fig = fake_display
-    assert fig.last is dash.figure and status.last is dash._status_widget
+    assert fig.last is dash.figure and status.last is dash.view.status
     for r in recs:
         dash.on_step_end(r)
     dash.on_run_end(None)
-    assert "step 20/20" in dash._status_widget.value and "micro 4 × accum 2 = 8" in dash._status_widget.value
-    assert "lora" in dash._status_widget.value and "fp16 + GradScaler" in dash._status_widget.value
+    assert "step 20/20" in dash.view.status.value and "micro 4 × accum 2 = 8" in dash.view.status.value
+    assert "lora" in dash.view.status.value and "fp16 + GradScaler" in dash.view.status.value
     assert isinstance(fig.last, dict) and "application/vnd.plotly.v1+json" in fig.last
     # A second run on the same dashboard brings the live widget back, in the same place.
     dash.on_run_start(make_info(variant="again"))
@@ -393,12 +394,12 @@ def test_text_mode_prints_a_bar_and_a_summary(capsys):
 
 def test_status_line_contents():
     recs = make_records(10)
-    line = D.status_line(recs, make_info(total_steps=40), None)
+    line = T.status_line(recs, make_info(total_steps=40), None)
     assert line.startswith("step 10/40")
     assert "tok/s" in line and "ETA 0:03" in line and "elapsed 0:01" in line
     assert "micro 4 × accum 2 = 8" in line and "lora" in line and "fp16 + GradScaler" in line
     no_tokens = [StepRecord(**{**r.to_dict(), "tokens_per_s": 0.0}) for r in recs]
-    assert "0.10 s/step" in D.status_line(no_tokens, None, 20)
+    assert "0.10 s/step" in T.status_line(no_tokens, None, 20)
 
 
 def test_mode_detection_rules(monkeypatch):
@@ -464,7 +465,7 @@ def test_dashboard_under_start_in_a_background_thread(tiny_cfg):
     r = run.wait()
     assert run.done and len(dash.records) == 3
     assert_same(F.find_trace(dash.figure, "loss", "loss").y, r.history.loss)
-    assert "step 3/3" in dash._status_widget.value
+    assert "step 3/3" in dash.view.status.value
 
 
 NOTEBOOK_CELLS = [

@@ -326,3 +326,13 @@ def check_resumable(saved: dict, cfg: "TrainConfig", path: str) -> None:
     if diff:
         detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {getattr(cfg, k)!r}" for k in diff)
         raise CheckpointError(f"cannot resume from {path}: the config differs in {detail}")
+
+
+def save_run(st, step: int) -> Path:
+    """Checkpoint a run (a ``RunState``) after ``step``: what a resume needs to continue it exactly."""
+    state = {"step": step, "model": trainable_state(st.model), "optimizer": st.optimizer.state_dict(),
+             "scheduler": st.scheduler.state_dict(), "scaler": st.scaler.state_dict(), "rng": st.rng.state_dict(),
+             "prev_scale": st.prev_scale, "data_hash": st.data_hash.hex(), "first_nonfinite": st.first_nonfinite,
+             "records": [r.to_dict() for r in st.records], "evals": [r.to_dict() for r in st.evals],
+             "config": st.cfg.to_dict()}
+    return save_checkpoint(st.ckpt_dir, step, state, st.cfg.to_yaml(), run_id=st.run_id)

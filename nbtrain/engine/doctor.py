@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..hardware import capabilities, resolve_precision
+
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
 
@@ -33,8 +35,6 @@ class Finding:
 
 
 def _advice(cfg, *, scaler: bool) -> list[str]:
-    from ..hardware import capabilities
-
     out = []
     if scaler:
         out.append("keep the GradScaler on (it skips overflowing steps and lowers the scale)")
@@ -43,7 +43,7 @@ def _advice(cfg, *, scaler: bool) -> list[str]:
     if cfg is not None and (not cfg.max_grad_norm or cfg.max_grad_norm > 1.0):
         out.append("clip gradients at max_grad_norm=1.0")
     caps = capabilities()
-    if "bf16" in caps.allowed_precisions and (cfg is None or cfg.resolved_precision() != "bf16"):
+    if "bf16" in caps.allowed_precisions and (cfg is None or resolve_precision(cfg.precision) != "bf16"):
         out.append("use precision='bf16' (fp32's range, no loss scaling needed)")
     return out
 

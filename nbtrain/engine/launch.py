@@ -22,8 +22,8 @@ from typing import Optional
 
 from ..config import TrainConfig
 from .callbacks import CallbackList
-from .loop import STEP_FIELDS, TrainResult, _EVAL_FIELDS, _frame
-from .records import EvalRecord, RunInfo, StepRecord
+from .finish import EVAL_FIELDS, RunSummary, TrainResult, frame
+from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
 from .threads import spawn
 
 PREFIX = "@nbtrain "
@@ -109,8 +109,9 @@ class LaunchedRun:
             if self.summary is None:
                 tail = "\n".join(self.log[-30:])
                 raise RuntimeError(f"the launched run exited with code {rc} before finishing:\n{tail}")
-            self.result = TrainResult(history=_frame(self.records, STEP_FIELDS),
-                                      eval_history=_frame(self.evals, _EVAL_FIELDS), summary=self.summary,
+            self.result = TrainResult(history=frame(self.records, STEP_FIELDS),
+                                      eval_history=frame(self.evals, EVAL_FIELDS),
+                                      summary=RunSummary.from_dict(self.summary),
                                       model=None, tokenizer=None, config=self.config, info=self.info,
                                       records=self.records)
             self._cbs.fire("on_run_end", self.result)

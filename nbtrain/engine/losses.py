@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .precision import active_autocast_dtype
+from ..precision import active_autocast_dtype, autocast
 
 
 class ChunkedLossError(ValueError):
@@ -203,3 +203,31 @@ def chunked_loss_sum(model, input_ids, attention_mask, labels, chunk_tokens: int
     keep = y != -100
     h = hidden[:, :-1][keep]   # only positions that count: padding costs no head FLOPs either
     return head_loss_sum(head, h, y[keep], chunk_tokens, fused, compiled)
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Sum (not mean) of the per-target losses in fp32, so a step can divide by its own token count."""
+    if task == "causal-lm":
+        # Shift the labels, not the logits: slicing the logits would copy all of them (GBs for big vocabularies).
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def micro_loss_sum(model, mb, task: str, spec, device: str, chunk_tokens: Optional[int] = None,
+                   parts=None, compiled: bool = False) -> torch.Tensor:
+    """Sum of one micro-batch's per-target losses in fp32, the forward under autocast.
+
+    Nothing here reads a device value back (the model's own mask logic may: transformers checks the mask on
+    the host in eager mode). ``chunk_tokens`` (causal LM): the chunked loss, with ``parts`` its (decoder, head)
+    and ``compiled`` its per-chunk softmax gradient compiled. The logits are not kept past the loss: backward
+    needs only what the autograd graph holds.
+    """
+    mask = mb.attention_mask
+    with autocast(spec, device):
+        if chunk_tokens and task == "causal-lm":
+            return chunked_loss_sum(model, mb.input_ids, mask, mb.labels, chunk_tokens, parts=parts,
+                                    n_targets=mb.n_targets, compiled=compiled)
+        logits = model(input_ids=mb.input_ids, attention_mask=mask).logits
+    return loss_sum(logits, mb.labels, task)

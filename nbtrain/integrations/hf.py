@@ -32,6 +32,8 @@ import time
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import psutil
+import torch
 from transformers import TrainerCallback
 
 from ..engine import telemetry
@@ -55,12 +57,8 @@ def _precision(args, scaler) -> str:
 
 def _device_facts(device: str) -> tuple[str, float]:
     if device == "cuda":
-        import torch
-
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.name, props.total_memory / 2**30
-    import psutil
-
     return platform.processor() or "CPU", psutil.virtual_memory().total / 2**30
 
 

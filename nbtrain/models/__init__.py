@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from ..config import ConfigError, TrainConfig
 from .loading import ModelError, known_module_names, load_tokenizer, resolve_source
 from .methods import build_model
 from .presets import PRESETS, ModelPreset
 from .saving import save_model
 
-__all__ = ["PRESETS", "ModelError", "ModelPreset", "build_model", "count_params", "known_module_names",
-           "load_tokenizer", "resolve_source", "save_model"]
+__all__ = ["PRESETS", "ModelError", "ModelPreset", "build_model", "check_lora_targets", "count_params",
+           "known_module_names", "load_tokenizer", "resolve_source", "save_model"]
 
 
 def _real_numel(p: torch.Tensor) -> int:
@@ -32,3 +33,20 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
         if p.requires_grad:
             trainable += n
     return trainable, total
+
+
+def check_lora_targets(cfg: TrainConfig) -> None:
+    """Raise ConfigError (field ``lora_targets``) when ``cfg`` lists LoRA targets the model does not have.
+
+    Checked for an explicit list under lora/qlora, against the model's Linear-like module names (read
+    from its architecture, no weights; skipped when that needs a download). A TrainConfig does not ask
+    at construction, so it loads without the model; a run or an estimate asks when it prepares."""
+    if cfg.method not in ("lora", "qlora") or not isinstance(cfg.lora_targets, list):
+        return
+    names = known_module_names(cfg.model, cfg.task)
+    if names is None:
+        return
+    unknown = [t for t in cfg.lora_targets if t not in names]
+    if unknown:
+        raise ConfigError(f"lora_targets: {unknown} not found in model {cfg.model!r}; it has {sorted(names)} "
+                          "(or use 'all-linear')", field="lora_targets")

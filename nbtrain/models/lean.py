@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..engine.precision import active_autocast_dtype
+from ..precision import active_autocast_dtype
 
 _silu_backward = torch.ops.aten.silu_backward
 

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from ..engine.precision import active_autocast_dtype
+from ..precision import active_autocast_dtype
 from .loading import CAUSAL_LM, SEQ_CLS, ModelError, head_module_names, linear_module_names, \
     load_base_model
 

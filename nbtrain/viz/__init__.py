@@ -1,22 +1,35 @@
-"""Figures and the live dashboard. Imports plotly; the core never imports this package at import time."""
+"""Figures and the live dashboard. Imports plotly; the core never imports this package at import time.
 
-from .dashboard import LiveDashboard, detect_mode, static_bundle, status_line, summary_text
-from .figures import (
-    PANELS,
-    add_run_traces,
-    columns,
-    compare_figure,
-    find_trace,
-    find_traces,
-    make_run_layout,
-    run_figure,
-    runs_figure,
-    smooth,
-    trace_specs,
-)
+Names are resolved lazily from their modules, so ``nbtrain.viz.progress`` (the command line's bar) loads
+without plotly.
+"""
 
-__all__ = [
-    "LiveDashboard", "detect_mode", "static_bundle", "status_line", "summary_text", "PANELS",
-    "add_run_traces", "columns", "compare_figure", "find_trace", "find_traces", "make_run_layout",
-    "run_figure", "runs_figure", "smooth", "trace_specs",
-]
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "LiveDashboard": "dashboard", "detect_mode": "dashboard",
+    "static_bundle": "views",
+    "status_line": "text", "summary_text": "text", "notes_html": "text", "notes_text": "text",
+    "ProgressBar": "progress",
+    "Tracker": "tracker",
+    **{name: "figures" for name in (
+        "PANELS", "add_run_traces", "columns", "compare_figure", "find_trace", "find_traces", "iter_runs",
+        "make_run_layout", "run_figure", "runs_figure", "smooth", "trace_specs")},
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbtrain.viz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))

@@ -1,13 +1,14 @@
 """Pure figure builders: run records in, plotly figures out. No IPython, no widgets, no state.
 
 Every trace carries ``meta = {"run": name, "panel": panel, "kind": kind}`` so tests, the live
-dashboard and the comparison view can find it (:func:`find_traces`). Data traces hold the recorded
+dashboard and the comparison figure can find it (:func:`find_traces`). Data traces hold the recorded
 values exactly (a nan loss stays nan in the ``loss`` trace, where plotly leaves a gap); what would be
 invisible there (non-finite values, skipped steps) gets its own marker traces placed at a visible y.
 """
 
 from __future__ import annotations
 
+import html
 import math
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -343,7 +344,8 @@ def _memory_title(runs: Mapping[str, tuple]) -> str:
     return "host memory: process RSS (GiB, CPU run)"
 
 
-def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple]) -> None:
+def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int) -> None:
+    """Say, on the loss-scale panel in ``row``, which runs have no scale line: they train without a GradScaler."""
     without = [(name, info) for name, (c, _, info) in runs.items() if not _scaler_used(c, info)]
     if not without:
         return
@@ -353,7 +355,9 @@ def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple]) -> None:
         text = f"no GradScaler: {what} trains without loss scaling"
     else:
         text = "no GradScaler in: " + ", ".join(n for n, _ in without)
-    fig.add_annotation(text=text, xref="x3 domain", yref="y3 domain", x=0.5, y=0.5, showarrow=False,
+    sp = fig.get_subplot(row, 1)   # axis numbers follow the grid, so ask, not guess
+    x, y = sp.xaxis.plotly_name.replace("axis", ""), sp.yaxis.plotly_name.replace("axis", "")
+    fig.add_annotation(text=text, xref=f"{x} domain", yref=f"{y} domain", x=0.5, y=0.5, showarrow=False,
                        font=dict(size=13, color="#555"), name="no_scaler")
 
 
@@ -379,7 +383,7 @@ def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optio
         color = (colors or {}).get(name) or _PALETTE[k % len(_PALETTE)]
         for spec in trace_specs(c, e, i, name=name, color=color, overlay=overlay, smoothing=smoothing):
             fig.add_trace(_spec_trace(spec), row=spec["row"], col=1)
-    _no_scaler_note(fig, norm)
+    _no_scaler_note(fig, norm, PANEL_ROWS["scale"])
     if title:
         fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)))
     return fig
@@ -399,47 +403,54 @@ def _summary_value(summary: Optional[Mapping], key: str) -> float:
     return _num(summary.get(key)) if summary else math.nan
 
 
+# Where each panel goes in the comparison's 5 x 2 grid (row, col).
+_COMPARE_GRID = {"loss": (1, 1), "loss_diff": (2, 1), "grad_norm": (3, 1), "scale": (4, 1), "memory": (5, 1),
+                 "throughput": (1, 2), "peak_memory": (3, 2)}
+
+
 def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None,
                    summaries: Optional[Mapping[str, Mapping]] = None,
-                   eval_histories: Optional[Mapping[str, Any]] = None, *,
+                   eval_histories: Optional[Mapping[str, Any]] = None,
+                   infos: Optional[Mapping[str, Any]] = None,
+                   not_run: Optional[Mapping[str, str]] = None, *,
                    smoothing: float = 0.9, title: Optional[str] = None) -> go.Figure:
-    """Variants side by side: loss overlay, loss difference to ``reference`` (EMA, same steps),
-    grad norm and loss scale overlays, and bars of throughput and peak memory.
+    """Variants overlaid: loss, loss difference to ``reference`` (EMA, same steps), grad norm, loss scale
+    and memory over the steps, with bars of throughput and peak memory (the figure of
+    ``ComparisonResult.figure()``).
 
     ``summaries`` (name -> ``result.summary``) supply ``tokens_per_s`` and ``peak_vram_gib``; without
-    them the bars use the history's median tokens/s and its peak VRAM (or host RSS on CPU).
+    them the bars use the history's median tokens/s and its peak VRAM (or host RSS on CPU). ``infos``
+    (name -> RunInfo) say which runs had a GradScaler and which device they used; ``not_run`` (name ->
+    reason) lists the variants that did not run under the title. No histories: a figure that says so.
     """
+    infos = infos or {}
+    not_run = dict(not_run or {})
+    if not histories:
+        fig = go.Figure()
+        fig.update_layout(template="plotly_white", height=300,
+                          title=dict(text="no variant ran" + _not_run_text(not_run), x=0.01))
+        return fig
     names = [str(n) for n in histories]
-    if not names:
-        raise ValueError("compare_figure needs at least one history")
     ref = str(reference) if reference is not None else names[0]
     if ref not in names:
         raise ValueError(f"reference {reference!r} is not one of {names}")
-    cols = {str(n): columns(h) for n, h in histories.items()}
-    vram = any(_uses_vram(c, None) for c in cols.values())
-    mem_label = "peak VRAM (GiB)" if vram else "peak host RSS (GiB)"
+    runs = {str(n): (columns(h), (eval_histories or {}).get(n), infos.get(n)) for n, h in histories.items()}
+    vram = (any(_uses_vram(c, i) for c, _, i in runs.values())
+            or any((s or {}).get("peak_vram_gib") is not None for s in (summaries or {}).values()))
+    peak_label = "peak VRAM (GiB)" if vram else "peak host RSS (GiB)"
     fig = make_subplots(
-        rows=4, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1, vertical_spacing=0.07,
-        shared_xaxes="columns",
-        specs=[[{}, {"rowspan": 2}], [{}, None], [{}, {"rowspan": 2}], [{}, None]],
-        subplot_titles=("loss", "throughput (tokens/s)", f"loss − {ref} (EMA)",
-                        "gradient norm (unscaled)", mem_label, "loss scale"))
-    fig.update_yaxes(type="log", row=3, col=1)
-    fig.update_yaxes(type="log", row=4, col=1)
-    fig.update_xaxes(title_text="optimizer step", row=4, col=1)
-    rows = {"loss": 1, "grad_norm": 3, "scale": 4}
-    ref_c = cols[ref]
-    ref_ema = smooth(ref_c["loss"], smoothing)
-    ref_at = dict(zip(ref_c["step"].tolist(), ref_ema.tolist()))
+        rows=5, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1, vertical_spacing=0.06,
+        specs=[[{}, {"rowspan": 2}], [{}, None], [{}, {"rowspan": 2}], [{}, None], [{}, None]],
+        subplot_titles=("loss", "throughput (tokens/s)", f"loss − {ref} (EMA)", "gradient norm (unscaled)",
+                        peak_label, "loss scale", _memory_title(runs)))
+    ref_c = runs[ref][0]
+    ref_at = dict(zip(ref_c["step"].tolist(), smooth(ref_c["loss"], smoothing).tolist()))
     tps, peak = [], []
-    for k, name in enumerate(names):
-        c = cols[name]
+    for k, (name, (c, ev, info)) in enumerate(runs.items()):
         color = _PALETTE[k % len(_PALETTE)]
-        ev = (eval_histories or {}).get(name)
-        for spec in trace_specs(c, ev, None, name=name, color=color, overlay=True, smoothing=smoothing):
-            panel = spec["meta"]["panel"]
-            if panel in rows:
-                fig.add_trace(_spec_trace(spec), row=rows[panel], col=1)
+        for spec in trace_specs(c, ev, info, name=name, color=color, overlay=True, smoothing=smoothing):
+            row, col = _COMPARE_GRID[spec["meta"]["panel"]]
+            fig.add_trace(_spec_trace(spec), row=row, col=col)
         ema = smooth(c["loss"], smoothing)
         both = [i for i, s in enumerate(c["step"].tolist()) if s in ref_at]
         diff = np.array([ema[i] - ref_at[c["step"][i]] for i in both], dtype=np.float64)
@@ -465,15 +476,37 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
                          text=[f"{v:,.0f}" if math.isfinite(v) else "n/a" for v in tps],
                          textposition="auto", meta={"run": None, "panel": "throughput", "kind": "tokens_per_s"}),
                   row=1, col=2)
-    fig.add_trace(go.Bar(x=names, y=peak, marker_color=colors, showlegend=False, name=mem_label,
+    fig.add_trace(go.Bar(x=names, y=peak, marker_color=colors, showlegend=False, name=peak_label,
                          text=[f"{v:.2f}" if math.isfinite(v) else "n/a" for v in peak],
                          textposition="auto", meta={"run": None, "panel": "peak_memory", "kind": "peak_memory"}),
                   row=3, col=2)
-    fig.update_layout(height=820, margin=dict(l=60, r=20, t=70, b=50), template="plotly_white",
-                      hovermode="closest", legend=dict(groupclick="togglegroup"))
-    if title:
-        fig.update_layout(title=dict(text=title, x=0.01, xanchor="left"))
+    # One step axis for the whole left column, so zooming one panel zooms all.
+    for row in range(2, 6):
+        fig.update_xaxes(matches="x", row=row, col=1)
+    fig.update_xaxes(showticklabels=True, title_text="optimizer step", row=5, col=1)
+    fig.update_yaxes(type="log", row=3, col=1)
+    fig.update_yaxes(type="log", row=4, col=1)
+    fig.update_yaxes(title_text="GiB", row=5, col=1)
+    _no_scaler_note(fig, runs, _COMPARE_GRID["scale"][0])
+    if title is None:
+        title = " vs ".join(names) + f" (reference: {ref})" + _not_run_text(not_run)
+    fig.update_layout(height=1050, margin=dict(l=60, r=20, t=90, b=50), template="plotly_white",
+                      hovermode="closest", legend=dict(groupclick="togglegroup"),
+                      title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)))
     return fig
+
+
+def _not_run_text(not_run: Mapping[str, str]) -> str:
+    if not not_run:
+        return ""
+    # A title does not wrap: shorten each reason (the table has it in full); escape only what plotly's
+    # HTML subset would read as markup.
+    parts = [html.escape(f"{n}: {_shorten(str(r or 'did not run'))}", quote=False) for n, r in not_run.items()]
+    return "<br><sup>not run: " + " | ".join(parts) + "</sup>"
+
+
+def _shorten(text: str, limit: int = 90) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def find_traces(fig: go.Figure, *, run: Any = ..., panel: Optional[str] = None,

@@ -1,4 +1,4 @@
-"""Precision is a table, not branches (DESIGN rule 2)."""
+"""Precision is a table, not branches (DESIGN rule 2). It sits below models/ and engine/, which both use it."""
 
 from __future__ import annotations
 

@@ -1,0 +1,27 @@
+"""Fairness fingerprints: hashes that prove two runs started from the same weights and saw the same batches."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """A short hash of every parameter and buffer, to prove two runs started from the same weights."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(list(model.state_dict().items()), key=lambda kv: kv[0]):
+        if not isinstance(t, torch.Tensor):
+            continue
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def chain_step(previous: bytes, micro: list, task: str) -> bytes:
+    """The data hash after one more step: chained over the step's real (unpadded) token ids, and its labels for a
+    classifier, independent of how the step is cut into micro-batches. Plain bytes, so a checkpoint keeps it."""
+    step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes() for mb in micro)
+    if task != "causal-lm":   # class labels are data too
+        step_ids += b"".join(mb.labels.numpy().tobytes() for mb in micro)
+    return hashlib.blake2b(previous + step_ids, digest_size=8).digest()

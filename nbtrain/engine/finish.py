@@ -1,0 +1,232 @@
+"""The finish phase: undo the run's set-ups, the final evaluation, the summary, the outputs and ``on_run_end``."""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pandas as pd
+import torch
+
+from ..config import TrainConfig
+from ..memory import oom_advice
+from .callbacks import CallbackError, StopTraining
+from .evaluate import evaluate
+from .prepare import RunState, uncompile
+from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
+from .telemetry import host_rss_gib
+
+EVAL_FIELDS = ("step", "eval_loss", "eval_tokens", "eval_accuracy", "eval_perplexity")
+# Keys a summary shows only when they have a value (classification has no perplexity, most runs no advice).
+_ONLY_WHEN_SET = ("eval_accuracy", "eval_perplexity", "advice", "variant")
+
+
+@dataclass(eq=False)
+class RunSummary(Mapping):
+    """What a run amounts to. Typed fields, read as attributes or, like a dict, by key (``summary["steps"]``);
+    keys others add (``summary["x"] = ...``) are kept in ``extra``."""
+
+    steps: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    peak_vram_gib: Optional[float] = None
+    peak_host_rss_gib: Optional[float] = None
+    final_loss: Optional[float] = None
+    eval_loss: Optional[float] = None
+    skipped_steps: int = 0
+    nonfinite_steps: int = 0
+    first_nonfinite_step: Optional[int] = None
+    wall_s: float = 0.0
+    stopped_reason: str = ""
+    precision_used: str = ""
+    device: str = ""
+    trainable_params: int = 0
+    total_params: int = 0
+    eval_accuracy: Optional[float] = None
+    eval_perplexity: Optional[float] = None
+    data_hash: Optional[str] = None
+    init_hash: Optional[str] = None
+    micro_batch_size: Optional[int] = None
+    grad_accum_steps: Optional[int] = None
+    notes: list[str] = field(default_factory=list)
+    grad_fp16_underflow_share: Optional[float] = None
+    advice: Optional[list[str]] = None
+    variant: Optional[str] = None
+    world_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def _keys(self) -> list[str]:
+        names = [f.name for f in fields(self) if f.name != "extra"]
+        return [n for n in names if n not in _ONLY_WHEN_SET or getattr(self, n) is not None] + list(self.extra)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.extra:
+            return self.extra[key]
+        if key == "extra" or key not in self._keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key != "extra" and key in {f.name for f in fields(self)}:
+            setattr(self, key, value)
+        else:
+            self.extra[key] = value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (what summary.json holds)."""
+        return dict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RunSummary":
+        """The summary a dict describes (e.g. read back from summary.json or a launched worker)."""
+        names = {f.name for f in fields(cls)} - {"extra"}
+        out = cls(**{k: v for k, v in d.items() if k in names})
+        out.extra.update({k: v for k, v in d.items() if k not in names})
+        return out
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves: its history (one row per optimizer step), summary, model and tokenizer."""
+
+    history: pd.DataFrame
+    eval_history: pd.DataFrame
+    summary: RunSummary
+    model: Any
+    tokenizer: Any
+    config: TrainConfig
+    info: Optional[RunInfo] = None
+    records: list[StepRecord] = field(default_factory=list, repr=False)
+
+    def figure(self):
+        """Loss, grad norm, loss scale and memory of this run as a plotly Figure."""
+        from ..viz.figures import run_figure  # drawing lives in viz/, imported only when asked
+
+        return run_figure(self.history, self.eval_history, self.info)
+
+    def save(self, path, merged: bool = False) -> Path:
+        """Write what a user would share: adapter (or full model), tokenizer and nbtrain.yaml."""
+        from ..models import save_model
+
+        return save_model(self.model, self.tokenizer, self.config, path, merged=merged)
+
+    def diagnose(self):
+        """Findings about precision trouble (overflow, nan, spikes, a stuck scale) with evidence and advice."""
+        from .doctor import diagnose
+
+        return diagnose(self.history, self.summary, self.config)
+
+    def __repr__(self) -> str:
+        s = self.summary
+        return (f"TrainResult(steps={s.get('steps')}, final_loss={s.get('final_loss')}, "
+                f"precision={s.get('precision_used')}, stopped_reason={s.get('stopped_reason')!r})")
+
+
+def frame(rows: list, columns: tuple[str, ...] | list[str]) -> pd.DataFrame:
+    """Records as a DataFrame with exactly ``columns``."""
+    return pd.DataFrame([r.to_dict() for r in rows], columns=list(columns))
+
+
+def run_eval(st: RunState, step: int) -> None:
+    """Evaluate on the held-out examples, keep the record and tell the callbacks."""
+    res = evaluate(st.model, st.data.eval, st.data.task, st.data.pad_token_id, st.cfg.micro_batch_size, st.spec,
+                   st.device, st.chunk_tokens)
+    if res:
+        rec = EvalRecord(step=step, variant=st.variant, **res)
+        st.evals.append(rec)
+        st.cbs.fire("on_eval", rec)
+
+
+def undo(st: RunState, stopped_reason: str) -> None:
+    """Whatever ended the run, leave the model usable: no half-accumulated gradients, no compiled layers, no lean
+    layers, and after an out-of-memory stop no cached blocks."""
+    st.optimizer.zero_grad(set_to_none=True)
+    uncompile(st.compiled)
+    if st.lean is not None:
+        st.lean.undo()
+    if stopped_reason == "out_of_memory":
+        gc.collect()
+        if st.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def summarize(st: RunState, stopped_reason: str, wall: float, underflow) -> RunSummary:
+    """The run's summary from its records and what prepare() knew."""
+    records, evals = st.records, st.evals
+    peaks = [r.vram_peak_gib for r in records if r.vram_peak_gib is not None]
+    n_in_tokens = sum(r.tokens_per_s * r.step_time_s for r in records)
+    last_eval = evals[-1] if evals else None
+    return RunSummary(
+        steps=len(records), tokens=int(sum(r.tokens for r in records)),
+        tokens_per_s=n_in_tokens / wall if wall > 0 else 0.0,
+        peak_vram_gib=max(peaks) if peaks else None,
+        peak_host_rss_gib=max((r.host_rss_gib for r in records), default=host_rss_gib()),
+        final_loss=records[-1].loss if records else None,
+        eval_loss=last_eval.eval_loss if last_eval else None,
+        skipped_steps=sum(r.skipped for r in records), nonfinite_steps=sum(r.nonfinite for r in records),
+        first_nonfinite_step=st.first_nonfinite, wall_s=wall, stopped_reason=stopped_reason,
+        precision_used=st.precision, device=st.device,
+        trainable_params=st.info.trainable_params, total_params=st.info.total_params,
+        eval_accuracy=last_eval.eval_accuracy if last_eval else None,
+        eval_perplexity=last_eval.eval_perplexity if last_eval else None,
+        data_hash=st.data_hash.hex(), init_hash=st.init_hash,
+        micro_batch_size=st.cfg.micro_batch_size, grad_accum_steps=st.cfg.grad_accum_steps, notes=st.notes,
+        grad_fp16_underflow_share=float(underflow) if underflow is not None else None,
+        # The loop only records the out-of-memory stop; what to change comes from the estimator.
+        advice=oom_advice(st.cfg) if stopped_reason == "out_of_memory" else None,
+        variant=st.variant, world_size=st.dist.world,
+    )
+
+
+def finish(st: RunState, step: int, stopped_reason: str, wall: float, underflow,
+           cb_error: Optional[CallbackError] = None) -> TrainResult:
+    """Final evaluation, summary, outputs and ``on_run_end``; then a callback's error, with the result on it."""
+    try:
+        if stopped_reason not in ("interrupted", "out_of_memory", "callback_error") and st.data.eval \
+                and st.dist.rank == 0:
+            try:
+                run_eval(st, step)
+            except StopTraining:
+                pass
+            except CallbackError as e:
+                cb_error = e
+        summary = summarize(st, stopped_reason, wall, underflow)
+        result = TrainResult(history=frame(st.records, STEP_FIELDS), eval_history=frame(st.evals, EVAL_FIELDS),
+                             summary=summary, model=st.model, tokenizer=st.tokenizer, config=st.cfg, info=st.info,
+                             records=st.records)
+        if st.cfg.output_dir and st.dist.rank == 0:
+            write_outputs(result, st.cfg.output_dir)
+        # Every callback hears the end, even after one of them failed.
+        errors = st.cbs.fire_all("on_run_end", result)
+    finally:
+        st.dist.close()
+        st.restore.close()
+    cb_error = cb_error or (errors[0] if errors else None)
+    if cb_error is not None:
+        cb_error.result = result
+        raise cb_error
+    return result
+
+
+def write_outputs(result: TrainResult, output_dir) -> Path:
+    """Write config.yaml, history.csv, eval_history.csv and summary.json under ``output_dir``."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result.config.to_yaml(out / "config.yaml")
+    result.history.to_csv(out / "history.csv", index=False)
+    result.eval_history.to_csv(out / "eval_history.csv", index=False)
+    (out / "summary.json").write_text(json.dumps(dict(result.summary), indent=2, default=str))
+    return out

@@ -1,0 +1,250 @@
+"""The prepare phase: everything a run needs before its first step, gathered in one RunState.
+
+Data, model, method (full / LoRA / QLoRA), the speed and memory set-ups (lean layers, chunked loss, compile,
+auto batch size), optimizer, scheduler, scaler and resume. What this device can run and which LoRA targets the
+model has are asked here, not when the config is built, so a config written for a GPU loads anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import get_scheduler
+
+from ..config import TrainConfig
+from ..data import DataBundle, collate, load_data, steps_per_epoch
+from ..hardware import capabilities, check_runnable, default_device
+from ..models import build_model, check_lora_targets, count_params, load_tokenizer
+from ..models.lean import lean_layers
+from ..precision import PRECISION_TABLE, PrecisionSpec, global_torch_state, make_scaler
+from .callbacks import CallbackList
+from .checkpoint import check_resumable, load_checkpoint
+from .distributed import SingleProcess, init_distributed
+from .fingerprint import weights_hash
+from .losses import micro_loss_sum, split_for_chunked_loss
+from .records import EvalRecord, RunInfo, StepRecord
+from .rng import RunRng
+
+
+@dataclass
+class RunState:
+    """What the step loop works on; prepare() builds it, the loop and finish() read and extend it."""
+
+    cfg: TrainConfig
+    device: str
+    precision: str
+    spec: PrecisionSpec
+    dist: SingleProcess
+    cbs: CallbackList
+    rng: RunRng
+    run_id: str
+    tokenizer: Any
+    data: DataBundle
+    model: torch.nn.Module
+    fwd_model: torch.nn.Module            # the model the forward calls (DDP's wrapper under several processes)
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    total_steps: int
+    info: RunInfo
+    nonfinite_policy: str
+    chunk_tokens: Optional[int] = None    # the chunked loss's tokens per chunk; None: the plain loss
+    loss_parts: Any = None                # (decoder, head) for the chunked loss
+    compiled: list = field(default_factory=list)
+    lean: Any = None
+    init_hash: Optional[str] = None
+    variant: Optional[str] = None
+    notes: list[str] = field(default_factory=list)
+    ckpt_dir: Optional[Path] = None
+    stop_file: Optional[str] = None       # a launcher's way to ask every worker to stop
+    # What the run has done so far (a resume starts from the checkpoint's).
+    start_step: int = 0
+    records: list[StepRecord] = field(default_factory=list)
+    evals: list[EvalRecord] = field(default_factory=list)
+    data_hash: bytes = b""
+    prev_scale: Optional[float] = None
+    first_nonfinite: Optional[int] = None
+    # Puts back the process-wide torch flags the run's precision set (closed by finish(), or on an error).
+    restore: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+
+def prepare(cfg: TrainConfig, callbacks=None, variant: Optional[str] = None, hash_init: bool = False,
+            device: Optional[str] = None) -> RunState:
+    """Build everything the loop needs; raises (ConfigError, DataError, ModelError, CheckpointError) before any
+    step runs. The process-wide torch flags of the run's precision stay set until ``state.restore`` closes."""
+    device = device or default_device()
+    caps = capabilities(device)
+    precision = check_runnable(cfg, caps)   # the device's question, asked when a run needs the answer
+    check_lora_targets(cfg)
+    restore = contextlib.ExitStack()
+    restore.enter_context(global_torch_state(PRECISION_TABLE[precision]))
+    try:
+        st = _build(cfg, callbacks, variant, hash_init, device, caps, precision)
+    except BaseException:
+        restore.close()
+        raise
+    st.restore = restore
+    return st
+
+
+def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunState:
+    spec = PRECISION_TABLE[precision]
+    # Under torchrun / accelerate launch: one process per rank, the same loop; rank 0 alone observes and writes.
+    dist = init_distributed(device)
+    notes: list[str] = []
+
+    # Data first (fails fast on bad input). Whatever it draws at random is not the caller's: each run draws
+    # from its own stream (data order has its own seeded generators).
+    with RunRng(cfg.seed, device).active():
+        tokenizer = load_tokenizer(cfg)
+        data = load_data(cfg, tokenizer)
+    # The run's stream, from a fresh seed so the initial weights do not depend on how much randomness data
+    # loading used; initial weights, dropout and the batch-size probe draw from it alone, never from the
+    # caller's or a concurrent run's.
+    rng = RunRng(cfg.seed, device)
+    with rng.active():
+        model = build_model(cfg, tokenizer, data.num_labels, precision, device, label_names=data.label_names)
+    init_hash = weights_hash(model) if hash_init else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable, total_params = count_params(model)
+
+    lean = None
+    if cfg.lean_layers:   # before the batch-size probe, which should measure what training will keep
+        if cfg.compile:
+            notes.append("lean_layers: not applied under compile=True (the compiled graph chooses what backward "
+                         "keeps; lean's functions would be traced through for no further saving)")
+        else:
+            lean = lean_layers(model)
+            notes.append(lean.describe())
+    chunk_tokens = cfg.loss_chunk_tokens if cfg.chunked_loss and data.task == "causal-lm" else None
+    if cfg.auto_batch_size:
+        with rng.active():   # the probe's dropout draws are put back with the run's state
+            cfg, note = auto_batch_size(cfg, model, params, data, spec, device, chunk_tokens)
+        notes.append(note)
+    fwd_model = dist.wrap(model)
+    loss_parts = None
+    if chunk_tokens:
+        if dist.world > 1:
+            raise ValueError("chunked_loss: not supported with several processes yet (DDP must see the "
+                             "whole forward); set chunked_loss=False")
+        loss_parts = split_for_chunked_loss(model)   # fail before step 1 if the model cannot use it
+    # The first steps pay the compile time; step_time_s shows it.
+    compiled = compile_blocks(model) if cfg.compile else []
+
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=(device == "cuda"))
+    per_epoch = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
+    total_steps = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
+    # transformers' "constant" ignores warm-up; its warm-up variant is the same schedule with it.
+    schedule = "constant_with_warmup" if cfg.scheduler == "constant" and cfg.warmup_steps else cfg.scheduler
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
+                              num_training_steps=total_steps)
+    scaler = make_scaler(spec, device)   # disabled (a no-op) unless the precision needs loss scaling
+
+    info = RunInfo(config=cfg, precision_used=precision, device=device, device_name=caps.name,
+                   device_total_gib=caps.total_memory_gib, scaler_enabled=spec.scaler,
+                   total_steps=total_steps, train_examples=len(data.train), eval_examples=len(data.eval),
+                   trainable_params=trainable, total_params=total_params,
+                   max_grad_norm=cfg.max_grad_norm, variant=variant, model=model)
+    st = RunState(
+        cfg=cfg, device=device, precision=precision, spec=spec, dist=dist,
+        cbs=CallbackList(callbacks if dist.rank == 0 else []), rng=rng, run_id=uuid.uuid4().hex[:8],
+        tokenizer=tokenizer, data=data, model=model, fwd_model=fwd_model, params=params, optimizer=optimizer,
+        scheduler=scheduler, scaler=scaler, total_steps=total_steps, info=info,
+        nonfinite_policy=cfg.nonfinite or ("skip" if spec.scaler else "stop"),
+        chunk_tokens=chunk_tokens, loss_parts=loss_parts, compiled=compiled, lean=lean, init_hash=init_hash,
+        variant=variant, notes=notes, stop_file=os.environ.get("NBTRAIN_STOP_FILE"),
+        ckpt_dir=Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and dist.rank == 0 else None,
+        prev_scale=scaler.get_scale() if spec.scaler else None,
+    )
+    if cfg.resume_from:
+        resume(st, cfg.resume_from)
+    return st
+
+
+def resume(st: RunState, path: str) -> None:
+    """Continue the run a checkpoint came from: weights, optimizer, schedule, scaler, random stream, history."""
+    ck = load_checkpoint(path)
+    check_resumable(ck["config"], st.cfg, ck["path"])
+    named = dict(st.model.named_parameters())
+    for n, t in ck["model"].items():
+        named[n].data.copy_(t)
+    st.optimizer.load_state_dict(ck["optimizer"])
+    st.scheduler.load_state_dict(ck["scheduler"])
+    st.scaler.load_state_dict(ck["scaler"])
+    st.rng.load_state_dict(ck["rng"])
+    st.records = [StepRecord(**r) for r in ck["records"]]
+    st.evals = [EvalRecord(**r) for r in ck["evals"]]
+    st.start_step, st.prev_scale = ck["step"], ck["prev_scale"]
+    st.data_hash, st.first_nonfinite = bytes.fromhex(ck["data_hash"]), ck["first_nonfinite"]
+    st.notes.extend(ck.get("notes", []))
+    st.notes.append(f"resumed from {ck['path']} at step {st.start_step}")
+
+
+def compile_blocks(model, **compile_kwargs) -> list[torch.nn.Module]:
+    """torch.compile, in place, each block of the model's largest stack of identical blocks (its decoder or
+    encoder layers); the whole model when it has no such stack. Returns what was compiled, for ``uncompile``.
+
+    Per block rather than the whole model: one compiled graph serves every layer (compile time does not grow
+    with depth), parameter names and saving are unchanged, the chunked loss (which calls the decoder, not the
+    model's forward) and DDP run the same compiled layers, and transformers' mask logic stays eager, so an
+    unpadded batch still reaches SDPA as ``is_causal`` (flash) -- traced, it would build an explicit mask.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    best, best_n = None, 0
+    for mod in base.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(m) for m in mod}) == 1:
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_n:
+                best, best_n = mod, n
+    blocks = list(best) if best is not None else [model]
+    for block in blocks:
+        block.compile(**compile_kwargs)
+    return blocks
+
+
+def uncompile(blocks: list[torch.nn.Module]) -> None:
+    """Undo ``compile_blocks``: the model a run returns runs eagerly (generation would recompile per shape)."""
+    for block in blocks:
+        if hasattr(block, "_compiled_call_impl"):
+            block._compiled_call_impl = None
+
+
+def auto_batch_size(cfg: TrainConfig, model, params, data, spec, device,
+                    chunk_tokens: Optional[int]) -> tuple[TrainConfig, str]:
+    """Largest micro batch (a divisor of the effective batch) whose forward+backward on the longest rows fits."""
+    eff = cfg.effective_batch_size
+    longest = sorted(range(len(data.train)), key=lambda i: -len(data.train[i]["input_ids"]))
+    rng = torch.get_rng_state()  # the trials must not shift dropout randomness of the real run
+    tried = []
+    chosen = None
+    for m in [d for d in range(eff, 0, -1) if eff % d == 0]:
+        rows = [data.train[longest[i % len(longest)]] for i in range(m)]
+        mb = collate(rows, data.pad_token_id, data.task).to(device)
+        try:   # the same forward and loss as the run's (chunked or not)
+            micro_loss_sum(model, mb, data.task, spec, device, chunk_tokens).backward()
+            chosen = m
+        except (torch.OutOfMemoryError, MemoryError):
+            tried.append(m)
+        finally:
+            for p in params:
+                p.grad = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        if chosen:
+            break
+    torch.set_rng_state(rng)
+    if chosen is None:
+        raise torch.OutOfMemoryError(f"auto_batch_size: even micro_batch_size=1 does not fit "
+                                     f"(max_seq_len={cfg.max_seq_len}); shorten max_seq_len or use LoRA/QLoRA")
+    new = cfg.replace(micro_batch_size=chosen, grad_accum_steps=eff // chosen, auto_batch_size=False)
+    note = (f"auto_batch_size: micro_batch_size={chosen} x grad_accum_steps={eff // chosen} "
+            f"(effective batch {eff} kept; {tried or 'no'} sizes ran out of memory)")
+    return new, note

@@ -1,0 +1,91 @@
+"""Exports of a TrainConfig to the tools people run in production, and imports back. One module per format:
+
+- ``training_args``: ``to_training_arguments(cfg)``, a ``transformers.TrainingArguments`` for the same run, with
+  ``.peft_config`` (a ``peft.LoraConfig``) and ``.quantization_config`` (a ``BitsAndBytesConfig``) attached
+  as attributes (None when the method does not use them); ``peft_and_quant_configs(cfg)`` returns the same
+  pair; ``training_arguments_kwargs(cfg)`` the plain keywords.
+- ``llamafactory``: ``to_llamafactory_yaml`` / ``read_llamafactory_yaml`` / ``from_llamafactory_yaml``
+- ``autotrain``: ``to_autotrain_yaml`` / ``read_autotrain_yaml`` / ``from_autotrain_yaml``
+- ``accelerate_config``: ``to_accelerate_config_yaml``, an ``accelerate launch --config_file`` for several
+  processes.
+- ``mapping``: what they share (tool names for nbtrain's optimizer and schedules, notes, YAML text, the reader).
+
+Each export also returns (``*_config``) or writes (as YAML comments) its *notes*: the fields the other tool
+cannot express or runs differently. Imports map every key they know; a key (or a value) with no nbtrain
+equivalent is never dropped silently: ``read_*`` returns it in ``unmapped`` and ``from_*`` names it in a
+``UserWarning``. A key that is missing takes the *tool's* default (what that tool would have run), not
+nbtrain's.
+
+The schedule is the same everywhere: nbtrain, the Trainer and the YAML tools build it with
+``transformers.get_scheduler`` (``constant`` with warm-up is Hugging Face's ``constant_with_warmup``).
+One difference stays: nbtrain decays every trainable parameter, the Trainer exempts biases and norm
+weights (identical when ``weight_decay=0``, the default); for nbtrain's exact optimizer in a Trainer, pass
+``Trainer(optimizers=nbtrain_optimizer_and_scheduler(cfg, model, total_steps))``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from ...config import TrainConfig
+from .accelerate_config import accelerate_config, to_accelerate_config_yaml
+from .autotrain import (
+    AUTOTRAIN_FIELDS,
+    autotrain_config,
+    from_autotrain_yaml,
+    read_autotrain_yaml,
+    to_autotrain_yaml,
+)
+from .llamafactory import (
+    LLAMAFACTORY_FIELDS,
+    from_llamafactory_yaml,
+    llamafactory_config,
+    read_llamafactory_yaml,
+    to_llamafactory_yaml,
+)
+from .mapping import NBTRAIN_ONLY, hf_scheduler, write_text
+from .training_args import (
+    nbtrain_optimizer_and_scheduler,
+    peft_and_quant_configs,
+    to_training_arguments,
+    training_arguments_kwargs,
+)
+
+# the names ``export_text`` (and ``nbtrain export --to``) take
+EXPORT_FORMATS = ("training-args", "llamafactory", "autotrain", "accelerate-config")
+
+__all__ = ["AUTOTRAIN_FIELDS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY", "accelerate_config",
+           "autotrain_config", "export_text", "from_autotrain_yaml", "from_llamafactory_yaml", "hf_scheduler",
+           "llamafactory_config", "nbtrain_optimizer_and_scheduler", "peft_and_quant_configs",
+           "read_autotrain_yaml", "read_llamafactory_yaml", "to_accelerate_config_yaml", "to_autotrain_yaml",
+           "to_llamafactory_yaml", "to_training_arguments", "training_arguments_json",
+           "training_arguments_kwargs"]
+
+
+def training_arguments_json(cfg: TrainConfig) -> dict[str, Any]:
+    """The TrainingArguments keywords, plus ``peft_config`` / ``quantization_config`` when the method uses
+    them, as JSON-friendly dicts."""
+    lcfg, qcfg = peft_and_quant_configs(cfg)
+    out: dict[str, Any] = {"training_arguments": training_arguments_kwargs(cfg)}
+    if lcfg is not None:
+        out["peft_config"] = {k: (sorted(v) if isinstance(v, set) else v) for k, v in lcfg.to_dict().items()}
+    if qcfg is not None:
+        out["quantization_config"] = qcfg.to_dict()
+    return out
+
+
+def export_text(cfg: TrainConfig, to: str, path: Optional[str | os.PathLike] = None) -> str:
+    """The text of one export by name (the ``nbtrain export`` command): training-args (JSON of the
+    TrainingArguments keywords, plus peft_config / quantization_config), llamafactory, autotrain,
+    accelerate-config. Written to ``path`` when given."""
+    if to == "training-args":
+        return write_text(json.dumps(training_arguments_json(cfg), indent=2, default=str) + "\n", path)
+    if to == "llamafactory":
+        return to_llamafactory_yaml(cfg, path)
+    if to == "autotrain":
+        return to_autotrain_yaml(cfg, path)
+    if to == "accelerate-config":
+        return to_accelerate_config_yaml(cfg, path)
+    raise ValueError(f"--to: {to!r}; choose {', '.join(EXPORT_FORMATS[:-1])} or {EXPORT_FORMATS[-1]}")

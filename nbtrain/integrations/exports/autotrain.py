@@ -1,0 +1,301 @@
+"""AutoTrain Advanced: ``to_autotrain_yaml`` (``autotrain --config FILE``), ``read_autotrain_yaml`` and
+``from_autotrain_yaml``. A key missing from a file takes AutoTrain's default (what it would have run)."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from ...config import ConfigError, TrainConfig, load_yaml_mapping
+from ...hardware import resolve_precision
+from .mapping import (
+    DATA_EXTS,
+    NBTRAIN_ONLY,
+    Reader,
+    flatten,
+    hf_scheduler,
+    non_default_notes,
+    number,
+    optimizer_in,
+    scheduler_in,
+    targets_in,
+    targets_out,
+    write_text,
+    yaml_text,
+)
+
+# The TrainConfig fields the format carries. A round trip keeps all of them except those named in the
+# export's notes (for instance max_steps, which AutoTrain cannot express).
+AUTOTRAIN_FIELDS = (
+    "model", "task", "data", "text_column", "label_column", "max_seq_len", "precision", "micro_batch_size",
+    "grad_accum_steps", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
+    "gradient_checkpointing", "lr", "weight_decay", "scheduler", "warmup_steps", "epochs", "max_grad_norm",
+    "log_every", "seed", "output_dir",
+)
+# AutoTrain's LLMTrainingParams / TextClassificationParams defaults (what it runs when a key is absent)
+_AT_LLM_DEFAULTS = {
+    "params.lr": 3e-5, "params.epochs": 1, "params.batch_size": 2, "params.warmup_ratio": 0.1,
+    "params.gradient_accumulation": 4, "params.scheduler": "linear", "params.weight_decay": 0.0,
+    "params.max_grad_norm": 1.0, "params.seed": 42, "params.quantization": "int4",
+    "params.target_modules": "all-linear", "params.peft": False, "params.lora_r": 16, "params.lora_alpha": 32,
+    "params.lora_dropout": 0.05, "params.model_max_length": 2048, "params.block_size": -1,
+    "params.disable_gradient_checkpointing": False, "params.logging_steps": -1, "project_name": "project-name",
+    "data.column_mapping.text_column": "text", "data.train_split": "train",
+}
+_AT_CLF_DEFAULTS = {
+    "params.lr": 5e-5, "params.epochs": 3, "params.batch_size": 8, "params.warmup_ratio": 0.1,
+    "params.gradient_accumulation": 1, "params.scheduler": "linear", "params.weight_decay": 0.0,
+    "params.max_grad_norm": 1.0, "params.seed": 42, "params.max_seq_length": 128, "params.logging_steps": -1,
+    "project_name": "project-name", "data.column_mapping.text_column": "text",
+    "data.column_mapping.target_column": "target", "data.train_split": "train",
+}
+_AT_LLM_TASKS = ("llm", "llm-sft", "llm-generic", "lm_training", "llm_training", "llm_finetuning")
+_AT_CLF_TASKS = ("text_multi_class_classification", "text_binary_classification", "text_classification",
+                 "text-classification", "text-binary-classification")
+
+
+def _project_name(output_dir: Optional[str]) -> str:
+    # AutoTrain: letters, digits and hyphens only, at most 50 characters; it is also the output directory
+    if not output_dir:
+        return "nbtrain-run"
+    return re.sub(r"[^A-Za-z0-9-]+", "-", output_dir).strip("-")[:50] or "nbtrain-run"
+
+
+def _split_local_file(data: str) -> tuple[str, str]:
+    p = Path(data).expanduser()
+    if p.is_file() and p.suffix.lower() in DATA_EXTS:   # AutoTrain reads <path>/<train_split>.<ext>
+        return str(p.parent), p.stem
+    return data, "train"
+
+
+def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(the AutoTrain Advanced YAML as a dict, notes)``; notes name the fields it cannot carry."""
+    llm = cfg.task == "causal-lm"
+    if not llm and cfg.method != "full":
+        raise ConfigError(f"method: AutoTrain's text classification fine-tunes the whole model; method="
+                          f"{cfg.method!r} does not export (use method='full')", field="method")
+    notes: dict[str, str] = {}
+    precision = resolve_precision(cfg.precision)
+    if cfg.precision == "auto":
+        notes["precision"] = f"precision='auto' resolved to {precision!r} on this machine"
+    if precision == "tf32":
+        notes["precision"] = "tf32 has no AutoTrain setting; exported as mixed_precision none (fp32)"
+    if cfg.max_steps is not None:
+        notes["max_steps"] = f"max_steps={cfg.max_steps}: AutoTrain trains whole epochs and has no step limit"
+        notes["epochs"] = "epochs: a guess standing in for max_steps (1 unless epochs is set), check it"
+    elif not float(cfg.epochs).is_integer():
+        notes["epochs"] = f"epochs={cfg.epochs}: AutoTrain takes whole epochs (rounded up)"
+    if cfg.warmup_steps:
+        notes["warmup_steps"] = ("warmup_steps=%d: AutoTrain takes warmup_ratio, a share of all steps%s"
+                                 % (cfg.warmup_steps, f" (of max_steps={cfg.max_steps})" if cfg.max_steps else
+                                    "; exported as 0"))
+    if not float(cfg.lora_alpha).is_integer():
+        notes["lora_alpha"] = f"lora_alpha={cfg.lora_alpha}: AutoTrain takes an integer (rounded)"
+    if cfg.method != "qlora" and cfg.quant_bits != 4:
+        notes["quant_bits"] = f"quant_bits={cfg.quant_bits} is only written for method='qlora'"
+    if not llm:
+        notes.update(non_default_notes(cfg, ("gradient_checkpointing", "lora_r", "lora_alpha", "lora_dropout",
+                                              "lora_targets", "quant_bits"),
+                                        "has no key in AutoTrain's text classification"))
+    name = _project_name(cfg.output_dir)
+    if name != cfg.output_dir:
+        notes["output_dir"] = f"output_dir={cfg.output_dir!r} becomes project_name {name!r} (letters, digits, -)"
+    if cfg.data.startswith("builtin:"):
+        notes["data"] = f"{cfg.data!r} is an nbtrain builtin: write its texts to a csv/jsonl file for AutoTrain"
+    if llm and not cfg.packing:
+        notes["packing"] = "AutoTrain packs causal-LM text into block_size blocks (packing=False has no setting)"
+    if cfg.eval_fraction:
+        notes["eval_fraction"] = (f"eval_fraction={cfg.eval_fraction}: AutoTrain evaluates only on a named "
+                                  "valid_split; none is set")
+    notes.update(non_default_notes(
+        cfg, ("subset", "eval_every", "save_every", "nonfinite", "auto_batch_size", "resume_from"),
+        "has no AutoTrain key"))
+    notes.update(non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no AutoTrain key "
+                                                       "(the same training without it)"))
+
+    path, split = _split_local_file(cfg.data)
+    columns = {"text_column": cfg.text_column}
+    if not llm:
+        columns["target_column"] = cfg.label_column
+    data: dict[str, Any] = {"path": path, "train_split": split, "valid_split": None}
+    if llm:
+        data["chat_template"] = None   # plain text, as nbtrain reads it
+    data["column_mapping"] = columns
+    if cfg.max_steps is not None:
+        epochs = math.ceil(cfg.epochs) if cfg.epochs else 1
+    else:
+        epochs = math.ceil(cfg.epochs)
+    warmup_ratio = round(cfg.warmup_steps / cfg.max_steps, 6) if cfg.warmup_steps and cfg.max_steps else 0.0
+    params: dict[str, Any] = {}
+    if llm:
+        params.update(block_size=cfg.max_seq_len, model_max_length=cfg.max_seq_len, padding="right")
+    else:
+        params["max_seq_length"] = cfg.max_seq_len
+    params.update(epochs=epochs, batch_size=cfg.micro_batch_size, gradient_accumulation=cfg.grad_accum_steps,
+                  lr=cfg.lr, optimizer="adamw_torch", scheduler=hf_scheduler(cfg), warmup_ratio=warmup_ratio,
+                  weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or 0.0, seed=cfg.seed,
+                  mixed_precision=precision if precision in ("fp16", "bf16") else "none",
+                  logging_steps=cfg.log_every)
+    if llm:
+        params.update(
+            peft=cfg.method != "full",
+            quantization={4: "int4", 8: "int8"}[cfg.quant_bits] if cfg.method == "qlora" else "none",
+            target_modules=targets_out(cfg.lora_targets, "all-linear"), merge_adapter=False,
+            lora_r=cfg.lora_r, lora_alpha=int(round(cfg.lora_alpha)), lora_dropout=cfg.lora_dropout,
+            disable_gradient_checkpointing=not cfg.gradient_checkpointing)
+    doc = {"task": "llm" if llm else "text_multi_class_classification", "base_model": cfg.model,
+           "project_name": name, "log": "none", "backend": "local", "data": data, "params": params}
+    return doc, notes
+
+
+def to_autotrain_yaml(cfg: TrainConfig, path=None) -> str:
+    """An AutoTrain Advanced YAML (``autotrain --config FILE``); written to ``path`` when given."""
+    doc, notes = autotrain_config(cfg)
+    header = ["AutoTrain Advanced config exported by nbtrain; run: autotrain --config <this file>"]
+    top = {k: doc[k] for k in ("task", "base_model", "project_name", "log", "backend")}
+    return write_text(yaml_text([(None, top), (None, {"data": doc["data"]}), (None, {"params": doc["params"]})],
+                             header, notes), path)
+
+
+def read_autotrain_yaml(path, **overrides: Any) -> tuple[TrainConfig, dict[str, Any]]:
+    """``(TrainConfig, unmapped)`` from an AutoTrain YAML; ``unmapped`` uses dotted keys (``params.unsloth``).
+    No warning here: ``from_autotrain_yaml`` warns."""
+    cfg, unmapped, _ = _read_autotrain(path, overrides)
+    return cfg, unmapped
+
+
+def from_autotrain_yaml(path, **overrides: Any) -> TrainConfig:
+    """The TrainConfig of an AutoTrain YAML; keys that do not map are named in a ``UserWarning``."""
+    cfg, _, message = _read_autotrain(path, overrides)
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=2)
+    return cfg
+
+
+def _none(v) -> bool:
+    return v is None or str(v).strip().lower() in ("none", "no", "null", "")
+
+
+def _read_autotrain(path, overrides):
+    flat = flatten(load_yaml_mapping(path))
+    task = str(flat.get("task"))
+    if task in _AT_CLF_TASKS:
+        defaults, nb_task = _AT_CLF_DEFAULTS, "sequence-classification"
+    else:
+        defaults, nb_task = _AT_LLM_DEFAULTS, "causal-lm"
+    r = Reader(flat, defaults, str(path))
+    kw = r.kw
+    r.drop("task")
+    kw["task"] = nb_task
+    llm = nb_task == "causal-lm"
+    if task not in _AT_LLM_TASKS + _AT_CLF_TASKS:
+        r.hard["task"] = f"task: {task!r} has no nbtrain equivalent (llm, llm-sft or text classification)"
+    if r.has("params.trainer"):
+        trainer = r.doc["params.trainer"]
+        if llm and trainer in ("default", "sft", "generic"):
+            r.drop("params.trainer")
+        else:
+            r.hard["task"] = f"params.trainer: {trainer!r} has no nbtrain equivalent (default or sft)"
+    if r.has("base_model"):
+        kw["model"] = str(r.take("base_model"))
+    elif "model" not in overrides:
+        r.hard["model"] = "base_model: missing"
+    kw["output_dir"] = str(r.take("project_name"))
+    for key, ok in (("log", "none"), ("backend", "local")):
+        if r.has(key) and str(r.doc[key]).lower().startswith(ok):
+            r.drop(key)
+
+    data_path = r.take("data.path")
+    split = str(r.take("data.train_split"))
+    if data_path is None:
+        if "data" not in overrides:
+            r.hard["data"] = "data.path: missing"
+    else:
+        kw["data"] = _at_data(r, str(data_path), split)
+    for key in ("data.valid_split", "data.chat_template"):
+        if r.has(key) and _none(r.doc[key]):
+            r.drop(key)
+    kw["text_column"] = str(r.take("data.column_mapping.text_column"))
+    if not llm:
+        kw["label_column"] = str(r.take("data.column_mapping.target_column"))
+
+    if llm:
+        block = r.take("params.block_size")
+        mml = r.take("params.model_max_length", int)
+        if isinstance(block, list):
+            r.reject("params.block_size", block, "a list of block sizes; nbtrain has one max_seq_len")
+            block = None
+        kw["max_seq_len"] = number(block, int) if block is not None and number(block) > 0 else mml
+        if r.has("params.padding") and r.doc["params.padding"] == "right":
+            r.drop("params.padding")
+    else:
+        kw["max_seq_len"] = r.take("params.max_seq_length", int)
+    kw["micro_batch_size"] = r.take("params.batch_size", int)
+    kw["grad_accum_steps"] = r.take("params.gradient_accumulation", int)
+    kw["lr"] = r.take("params.lr", float)
+    kw["weight_decay"] = r.take("params.weight_decay", float)
+    kw["epochs"] = r.take("params.epochs", float)
+    kw["max_steps"] = None   # AutoTrain trains whole epochs
+    kw["seed"] = r.take("params.seed", int)
+    norm = r.take("params.max_grad_norm", float)
+    kw["max_grad_norm"] = norm if norm and norm > 0 else None
+    log = r.take("params.logging_steps", int)
+    if log > 0:   # -1: AutoTrain picks; nbtrain keeps its default
+        kw["log_every"] = log
+    ratio = r.take("params.warmup_ratio", float)
+    if ratio:   # a share of a step count AutoTrain derives from the data
+        r.unmapped["params.warmup_ratio"] = ratio
+        r.why["params.warmup_ratio"] = ("a share of all steps, known only from the data" +
+                                        ("" if "params.warmup_ratio" in flat else " (AutoTrain's default)") +
+                                        "; set warmup_steps")
+    scheduler_in(r, "params.scheduler", 0)
+    optimizer_in(r, "params.optimizer")
+    mp = r.take("params.mixed_precision")
+    if _none(mp):
+        kw["precision"] = "fp32"
+    elif str(mp) in ("fp16", "bf16"):
+        kw["precision"] = str(mp)
+    else:
+        r.hard["precision"] = f"params.mixed_precision: {mp!r} (fp16, bf16 or none)"
+
+    if llm:
+        peft = bool(r.take("params.peft"))
+        quant = r.take("params.quantization")
+        if peft:
+            bits = {"int4": 4, "int8": 8}.get(str(quant).lower())
+            kw["method"] = "qlora" if bits else "lora"
+            if bits:
+                kw["quant_bits"] = bits
+        else:
+            kw["method"] = "full"   # AutoTrain quantises only with peft
+        kw["lora_r"] = r.take("params.lora_r", int)
+        kw["lora_alpha"] = r.take("params.lora_alpha", float)
+        kw["lora_dropout"] = r.take("params.lora_dropout", float)
+        targets = r.take("params.target_modules")
+        if _none(targets):
+            r.unmapped["params.target_modules"] = targets
+            r.why["params.target_modules"] = "AutoTrain then picks per model; nbtrain used 'all-linear'"
+        kw["lora_targets"] = targets_in(targets, ("all-linear", "none", "null", ""))
+        kw["gradient_checkpointing"] = not bool(r.take("params.disable_gradient_checkpointing"))
+        if r.has("params.merge_adapter") and not r.doc["params.merge_adapter"]:
+            r.drop("params.merge_adapter")
+    else:
+        kw["method"] = "full"
+    return r.finish(overrides)
+
+
+def _at_data(r: Reader, path: str, split: str) -> str:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        for ext in DATA_EXTS:
+            if (p / f"{split}{ext}").is_file():
+                return str(p / f"{split}{ext}")
+    if split != "train":
+        r.unmapped["data.train_split"] = split
+        r.why["data.train_split"] = "nbtrain reads a dataset's 'train' split (or a local file)"
+    return path
+
+

@@ -1,0 +1,178 @@
+"""What the export formats share: tool names for nbtrain's optimizer and schedules, notes, YAML text, and
+the reader that maps a tool's keys to TrainConfig fields (and keeps the ones it cannot map)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from ...config import ConfigError, TrainConfig
+
+ADAMW = ("adamw_torch", "adamw_torch_fused")   # torch.optim.AdamW, what nbtrain runs
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+DATA_EXTS = (".csv", ".jsonl", ".json", ".parquet", ".txt")
+# speed/memory options of nbtrain's own loop: no other tool has their keys, and a run without them computes the same
+NBTRAIN_ONLY = ("chunked_loss", "loss_chunk_tokens", "compile", "lean_layers")
+
+
+def hf_scheduler(cfg: TrainConfig) -> str:
+    """The Hugging Face ``lr_scheduler_type`` of cfg's schedule (``transformers.get_scheduler`` names).
+
+    Hugging Face's ``constant`` ignores ``warmup_steps``: a constant schedule with warm-up is its
+    ``constant_with_warmup``."""
+    return "constant_with_warmup" if cfg.scheduler == "constant" and cfg.warmup_steps else cfg.scheduler
+
+
+def non_default_notes(cfg: TrainConfig, fields: tuple[str, ...], why: str) -> dict[str, str]:
+    """Notes for fields the format cannot carry, when they differ from nbtrain's default."""
+    out = {}
+    for f in fields:
+        v = getattr(cfg, f)
+        if v != TrainConfig.model_fields[f].default:
+            out[f] = f"{f}={v!r} {why}"
+    return out
+
+
+def yaml_text(sections: list[tuple[Optional[str], dict]], header: list[str], notes: dict[str, str]) -> str:
+    """A YAML file's text: ``header`` and ``notes`` as comments, then each (titled) section."""
+    lines = [f"# {h}" for h in header]
+    if notes:
+        lines.append("# notes (what this file cannot say, or says differently):")
+        lines += [f"#   - {n}" for n in notes.values()]
+    text = "\n".join(lines) + "\n"
+    for title, body in sections:
+        if not body:
+            continue
+        text += ("\n" if text.strip() else "") + (f"### {title}\n" if title else "")
+        text += yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
+    return text
+
+
+def write_text(text: str, path) -> str:
+    """``text``, also written to ``path`` when given (its folder made)."""
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    return text
+
+
+def flatten(doc: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys: ``{"params": {"lr": 1}}`` -> ``{"params.lr": 1}``."""
+    out = {}
+    for k, v in doc.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def number(v, kind=float):
+    """``v`` as a float (or an int, which must be whole). PyYAML (YAML 1.1) reads "3e-5" as a string; the
+    tools' own parsers convert it, so this does too."""
+    if isinstance(v, str):
+        v = float(v.strip())
+    if kind is int:
+        if float(v) != int(v):
+            raise ValueError(f"expected an integer, got {v!r}")
+        return int(v)
+    return float(v)
+
+
+def intlike(x: float):
+    """A whole float as an int (16.0 -> 16), anything else as it is."""
+    return int(x) if float(x).is_integer() else x
+
+
+class Reader:
+    """Takes keys out of a flat document; whatever is not taken (or is set aside) is unmapped."""
+
+    def __init__(self, doc: dict, defaults: dict, where: str):
+        self.doc = dict(doc)
+        self.defaults = defaults
+        self.where = where
+        self.kw: dict[str, Any] = {}
+        self.unmapped: dict[str, Any] = {}
+        self.why: dict[str, str] = {}
+        self.hard: dict[str, str] = {}    # field -> problem: an error unless an override sets that field
+
+    def has(self, key: str) -> bool:
+        return key in self.doc
+
+    def take(self, key: str, kind=None):
+        v = self.doc.pop(key) if key in self.doc else self.defaults.get(key)
+        if kind is None or v is None:
+            return v
+        try:
+            return number(v, kind)
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{self.where}: {key}: expected a number, got {v!r}", field=key) from None
+
+    def drop(self, key: str) -> None:
+        self.doc.pop(key, None)
+
+    def reject(self, key: str, value, why: str) -> None:
+        self.doc.pop(key, None)
+        self.unmapped[key] = value
+        self.why[key] = why
+
+    def finish(self, overrides: dict) -> tuple[TrainConfig, dict[str, Any], str]:
+        for k, v in self.doc.items():
+            self.unmapped[k] = v
+            self.why.setdefault(k, "no nbtrain equivalent")
+        problems = {f: m for f, m in self.hard.items() if f not in overrides}
+        if problems:
+            raise ConfigError(f"{self.where}: " + "; ".join(problems.values()) +
+                              " (pass the field as an override to choose a value)", field=next(iter(problems)))
+        try:
+            cfg = TrainConfig(**{**self.kw, **overrides})
+        except ConfigError as e:
+            raise ConfigError(f"{self.where}: {e}", field=e.field, errors=e.errors) from None
+        message = ""
+        if self.unmapped:
+            # a Hub token in the file must not end up in logs
+            items = [f"{k}={'<hidden>' if 'token' in k.lower() else repr(v)} ({self.why[k]})"
+                     for k, v in self.unmapped.items()]
+            message = (f"{self.where}: {len(items)} key(s) do not map to nbtrain and were not used: "
+                       + "; ".join(items))
+        return cfg, self.unmapped, message
+
+
+def scheduler_in(r: Reader, key: str, warmup: int) -> None:
+    name = str(r.take(key)).lower()
+    if name not in SCHEDULERS:
+        r.hard["scheduler"] = f"{key}: {name!r} has no nbtrain equivalent (nbtrain has {SCHEDULERS})"
+        return
+    if name == "constant" and warmup:
+        # the tool's "constant" runs without any warm-up, so the faithful import drops it
+        r.unmapped["warmup_steps"] = warmup
+        r.why["warmup_steps"] = f"{key}={name!r} runs without warm-up in the tool, so it was not used"
+        warmup = 0
+    r.kw["scheduler"] = "constant" if name == "constant_with_warmup" else name
+    r.kw["warmup_steps"] = warmup
+
+
+def optimizer_in(r: Reader, key: str) -> None:
+    if r.has(key):
+        name = str(r.doc[key])
+        if name in ADAMW:
+            r.drop(key)
+        else:
+            r.reject(key, name, "nbtrain always uses torch AdamW with default betas and eps")
+
+
+def targets_out(targets, all_name: str) -> str:
+    """LoRA targets as the tools write them: comma-separated names, or the tool's word for all-linear."""
+    return all_name if isinstance(targets, str) else ",".join(targets)
+
+
+def targets_in(value, all_names: tuple[str, ...]):
+    """A tool's LoRA target value as nbtrain's lora_targets."""
+    if value is None or str(value).strip().lower() in all_names:
+        return "all-linear"
+    return [t.strip() for t in str(value).split(",") if t.strip()]
+
+

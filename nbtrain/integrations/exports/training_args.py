@@ -1,0 +1,123 @@
+"""``transformers.TrainingArguments`` for a TrainConfig, with the LoRA and bitsandbytes configs nbtrain builds.
+
+The Trainer reads neither ``peft_config`` nor ``quantization_config``: pass them to ``from_pretrained`` /
+``get_peft_model`` (or to TRL's ``SFTTrainer(peft_config=...)``). The schedule is the same on both sides
+(``transformers.get_scheduler``); the Trainer's AdamW exempts biases and norm weights from weight decay,
+nbtrain's decays every trainable parameter (identical when ``weight_decay=0``, the default). For nbtrain's
+exact optimizer in a Trainer, pass ``Trainer(optimizers=nbtrain_optimizer_and_scheduler(cfg, model, total_steps))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from transformers import TrainingArguments, get_scheduler
+
+from ...config import TrainConfig
+from ...hardware import default_device, resolve_precision
+from ...models.loading import ModelError, head_module_names, meta_model
+from ...models.methods import bnb_config, lora_config
+from .mapping import hf_scheduler
+
+
+def _checkpointing_arg(args_cls: Any = None) -> str:
+    # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (5.24 takes both, the old one
+    # deprecated; 5.17 only the old one): the new name where this install's TrainingArguments has it
+    names = set(getattr(args_cls or TrainingArguments, "__dataclass_fields__", {}))
+    return "gradient_checkpointing" if "activation_checkpointing" not in names and "gradient_checkpointing" in names \
+        else "activation_checkpointing"
+
+
+def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None,
+                              **overrides: Any) -> dict[str, Any]:
+    """The keyword arguments of ``to_training_arguments`` (plain values, JSON-friendly)."""
+    device = default_device()
+    precision = resolve_precision(cfg.precision)
+    kw: dict[str, Any] = dict(
+        output_dir=output_dir or cfg.output_dir or "runs/hf",
+        per_device_train_batch_size=cfg.micro_batch_size,
+        per_device_eval_batch_size=cfg.micro_batch_size,   # nbtrain evaluates in micro batches too
+        gradient_accumulation_steps=cfg.grad_accum_steps,
+        learning_rate=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        optim="adamw_torch_fused" if device == "cuda" else "adamw_torch",   # nbtrain: fused AdamW on CUDA
+        lr_scheduler_type=hf_scheduler(cfg),
+        warmup_steps=cfg.warmup_steps,
+        # 0 disables clipping; transformers 5 still measures and logs grad_norm, as nbtrain does
+        max_grad_norm=cfg.max_grad_norm or 0.0,
+        max_steps=cfg.max_steps if cfg.max_steps is not None else -1,
+        seed=cfg.seed,
+        logging_strategy="steps",
+        logging_steps=cfg.log_every,
+        # a nan/inf loss must show as such (DESIGN rule 5); the Trainer's default hides it behind an average
+        logging_nan_inf_filter=False,
+        eval_strategy="steps" if cfg.eval_every else "no",
+        save_strategy="steps" if cfg.save_every else "no",
+        report_to="none",
+    )
+    ckpt = _checkpointing_arg()
+    kw[ckpt] = cfg.gradient_checkpointing
+    if cfg.epochs is not None:
+        kw["num_train_epochs"] = cfg.epochs   # the Trainer, like nbtrain, lets max_steps win when both are set
+    if cfg.eval_every:
+        kw["eval_steps"] = cfg.eval_every
+    if cfg.save_every:
+        kw["save_steps"] = cfg.save_every
+    if cfg.gradient_checkpointing:
+        kw[f"{ckpt}_kwargs"] = {"use_reentrant": False}   # nbtrain's checkpointing style
+    if precision in ("fp16", "bf16", "tf32"):
+        kw[precision] = True
+    if device == "cpu":
+        kw["use_cpu"] = True
+    kw.update(overrides)
+    return kw
+
+
+def to_training_arguments(cfg: TrainConfig, output_dir: Optional[str] = None, **overrides: Any):
+    """A ``transformers.TrainingArguments`` for ``cfg``; ``overrides`` are passed on as-is.
+
+    Attributes ``peft_config`` and ``quantization_config`` carry the LoRA / bitsandbytes configs (None
+    when unused). ``precision="auto"`` is resolved for this machine; the weight-decay difference is in
+    the module docstring. fp16 on a CPU: accelerate makes no GradScaler there, unlike nbtrain's loop, so
+    only CUDA runs compare on fp16.
+    """
+    args = TrainingArguments(**training_arguments_kwargs(cfg, output_dir, **overrides))
+    args.peft_config, args.quantization_config = peft_and_quant_configs(cfg)
+    return args
+
+
+def peft_and_quant_configs(cfg: TrainConfig):
+    """``(peft.LoraConfig or None, transformers.BitsAndBytesConfig or None)`` exactly as nbtrain builds them."""
+    if cfg.method == "full":
+        return None, None
+    try:   # the architecture (no weights) lets nbtrain check target names and find a classifier's head
+        arch = meta_model(cfg.model, cfg.task)
+    except ModelError:
+        arch = None
+    if arch is not None:
+        lcfg = lora_config(cfg, arch, cfg.task)
+    else:   # a Hub model that is not cached: the same config, unchecked; peft finds the classifier head itself
+        from peft import LoraConfig, TaskType  # peft loads only for an export that needs it
+
+        lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
+                          target_modules=cfg.lora_targets if isinstance(cfg.lora_targets, str)
+                          else list(cfg.lora_targets),
+                          task_type=TaskType.SEQ_CLS if cfg.task == "sequence-classification"
+                          else TaskType.CAUSAL_LM)
+    qcfg = None
+    if cfg.method == "qlora":
+        skip = head_module_names(arch) if arch is not None and cfg.task == "sequence-classification" else None
+        qcfg = bnb_config(cfg, resolve_precision(cfg.precision), skip)
+    return lcfg, qcfg
+
+
+def nbtrain_optimizer_and_scheduler(cfg: TrainConfig, model, total_steps: int):
+    """nbtrain's own AdamW (weight decay on every trainable parameter, fused on CUDA) and its schedule
+    (``transformers.get_scheduler``, as the Trainer builds it), for ``Trainer(optimizers=...)`` when the
+    Trainer must run nbtrain's optimizer exactly."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and params[0].device.type == "cuda"
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    return opt, get_scheduler(hf_scheduler(cfg), opt, num_warmup_steps=cfg.warmup_steps,
+                              num_training_steps=total_steps)

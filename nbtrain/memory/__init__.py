@@ -1,0 +1,45 @@
+"""Estimate the memory a TrainConfig needs, from the model's config alone: ``estimate_memory(cfg)``.
+
+Nothing is loaded or run. The package reads top down:
+
+* ``facts``: the architecture's shapes and parameters (built on the ``meta`` device), and the exact parts:
+  weights, gradients, optimizer state.
+* ``trace``: what autograd saves in a decoder layer, traced op by op.
+* ``timeline``: the phases of one training step and its peak (the total is that peak, not the sum of the parts).
+* ``estimate``: the peak plus what lies outside the tensors, as a ``MemoryEstimate``.
+* ``advice``: the concrete changes that make it fit (``estimate_memory``'s advice, ``oom_advice`` after a run ran
+  out of memory).
+* ``report``: the text and the HTML of an estimate, from one row model.
+
+docs/memory-model.md derives the terms.
+"""
+
+from __future__ import annotations
+
+from ..config import TrainConfig
+from .advice import advise, oom_advice
+from .estimate import Advice, MemoryEstimate, check_estimable, estimate_once, target
+from .report import EstimateReport, estimate_html, estimate_report, estimate_text, fmt_gib
+
+__all__ = ["Advice", "EstimateReport", "MemoryEstimate", "estimate_html", "estimate_memory", "estimate_report",
+           "estimate_text", "fmt_gib", "format_estimate", "oom_advice"]
+
+# the name ``nbtrain estimate`` and the tests know the text report by
+format_estimate = estimate_text
+
+
+def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, device: str | None = None) -> MemoryEstimate:
+    """Estimate the memory one training step of ``cfg`` needs, from the model config alone.
+
+    ``device_total_gib`` defaults to this device's memory (host RAM on CPU); ``device`` ("cuda" or
+    "cpu", default: the one nbtrain would use) selects the device-specific terms. When it does not
+    fit, ``advice`` lists cumulative changes, each with its new estimate, stopping at the first that fits.
+    A precision or method this machine cannot run is estimated all the same; explicit LoRA targets the model
+    does not have raise ConfigError.
+    """
+    check_estimable(cfg)
+    where = target(device, device_total_gib)
+    est = estimate_once(cfg, where.device, where.total_gib, where.name)
+    if not est.fits:
+        est.advice = advise(cfg, where)
+    return est

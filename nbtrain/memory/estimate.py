@@ -1,0 +1,144 @@
+"""One estimate: the step's peak (``timeline``) plus what lies outside the tensors, as a MemoryEstimate."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..config import TrainConfig
+from ..hardware import Capabilities, capabilities, default_device, resolve_precision
+from ..models import check_lora_targets
+from .facts import NUM_LABELS
+from .report import PART_ROWS, estimate_html, estimate_text
+from .timeline import step_peak
+
+GIB = 2**30
+# Outside the tensors: the CUDA context with its kernels' modules and library handles (0.73-0.75 GiB measured on
+# an H200 with CUDA 13, beside PyTorch's allocator), and the caching allocator's reserved-but-free blocks: 2-28%
+# of the tensor peak over the benchmark grid (benchmarks/memory_check.py), 14% splits that range evenly.
+CUDA_CONTEXT_BYTES = int(0.75 * GIB)
+SLACK = {"cuda": 0.14, "cpu": 0.05}
+
+
+@dataclass
+class Advice:
+    """One change of the out-of-memory flow: cumulative TrainConfig overrides and the estimate they give."""
+
+    change: dict[str, Any]
+    description: str
+    total_gib: float
+    fits: bool
+
+
+@dataclass
+class MemoryEstimate:
+    """The memory one training step of ``config`` needs, by part, with the peak and advice."""
+
+    weights_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    logits_gib: float
+    overhead_gib: float
+    total_gib: float
+    device: str
+    device_total_gib: float
+    fits: bool
+    trainable_params: int
+    total_params: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    advice: list[Advice]
+    config: TrainConfig
+    precision: str = "fp32"
+    peak_phase: str = ""
+    tensors_peak_gib: float = 0.0    # the timeline's peak without overhead: compare with max_memory_allocated
+    notes: list[str] = field(default_factory=list)
+
+    def table(self):
+        """The parts as a DataFrame (part, GiB); the total is the step's peak, not their sum."""
+        import pandas as pd   # pandas is only needed for this view
+
+        return pd.DataFrame([(name, getattr(self, attr)) for name, attr in PART_ROWS], columns=["part", "GiB"])
+
+    def versus(self, measured_peak_gib: float | Any) -> dict[str, float]:
+        """Estimated tensor peak beside a measured one (a GiB value, or a TrainResult's summary peak)."""
+        if hasattr(measured_peak_gib, "summary"):
+            measured_peak_gib = measured_peak_gib.summary.get("peak_vram_gib")
+        if measured_peak_gib is None:
+            raise ValueError("no measured peak: peak_vram_gib is None (a CPU run has no device peak)")
+        m = float(measured_peak_gib)
+        return {"estimated_gib": self.tensors_peak_gib, "measured_gib": m,
+                "ratio": self.tensors_peak_gib / m if m else math.inf}
+
+    def __str__(self) -> str:
+        return estimate_text(self)
+
+    def _repr_html_(self) -> str:
+        return estimate_html(self, details=True)
+
+
+def check_estimable(cfg: TrainConfig) -> None:
+    """What an estimate asks of a config before it starts: a TrainConfig whose explicit LoRA targets the model
+    has (ConfigError otherwise). Whether this device can run its precision or method is not asked: an estimate
+    is for any device."""
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"estimate_memory() takes a TrainConfig, got {type(cfg).__name__}")
+    check_lora_targets(cfg)
+
+
+def local_capabilities(device: str) -> Optional[Capabilities]:
+    """This machine's capabilities for ``device``, or None when this machine has no such device to read."""
+    return capabilities(device) if device in ("cpu", default_device()) else None
+
+
+def estimate_precision(cfg: TrainConfig, device: str) -> str:
+    """The precision to estimate ``cfg`` with on ``device``: "auto" as nbtrain resolves it there (bf16, the
+    usual choice, for a CUDA device this machine does not have). A precision the device cannot run is estimated
+    all the same (tf32 keeps fp32 tensors), so a config written for another machine estimates here."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    caps = local_capabilities(device)
+    return resolve_precision("auto", caps) if caps is not None else "bf16"
+
+
+def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device_name: str) -> MemoryEstimate:
+    """The estimate of ``cfg`` on ``device`` with ``device_total_gib`` of memory, without advice."""
+    precision = estimate_precision(cfg, device)
+    p = step_peak(cfg, precision, device, NUM_LABELS)
+    overhead = (CUDA_CONTEXT_BYTES if device == "cuda" else 0) + SLACK.get(device, 0.05) * p.peak
+    total = p.peak + overhead
+    return MemoryEstimate(
+        weights_gib=p.weights / GIB, gradients_gib=p.gradients / GIB, optimizer_gib=p.optimizer / GIB,
+        activations_gib=p.activations / GIB, logits_gib=p.logits / GIB, overhead_gib=overhead / GIB,
+        total_gib=total / GIB, device=device_name, device_total_gib=float(device_total_gib),
+        fits=total / GIB <= device_total_gib, trainable_params=p.trainable, total_params=p.total,
+        weights_bytes=p.weights, gradients_bytes=p.gradients, optimizer_bytes=p.optimizer, advice=[], config=cfg,
+        precision=precision, peak_phase=p.phase, tensors_peak_gib=p.peak / GIB, notes=p.notes)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device an estimate is for."""
+
+    device: str                       # "cuda" or "cpu": selects the device-specific terms
+    total_gib: float                  # its memory
+    name: str                         # as shown: "cuda (NVIDIA H200)", or the bare device
+    caps: Optional[Capabilities]      # this machine's capabilities when it is this machine's device
+
+
+def target(device: str | None, device_total_gib: float | None) -> Target:
+    """The device to estimate for: ``device`` (default: the one nbtrain would use here) with
+    ``device_total_gib`` (default: its memory, which must then be this machine's)."""
+    dev = device or default_device()
+    caps = local_capabilities(dev)
+    # the machine's name is shown when the estimate is about this machine (its device or its memory)
+    name = f"{dev} ({caps.name})" if caps is not None and (device is None or device_total_gib is None) else dev
+    if device_total_gib is None:
+        if caps is None:
+            raise ValueError(f"device_total_gib: give the memory of the {dev} device to estimate for "
+                             "(this machine has none to read)")
+        device_total_gib = caps.total_memory_gib
+    return Target(dev, float(device_total_gib), name, caps)

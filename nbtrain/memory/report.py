@@ -1,0 +1,161 @@
+"""The report of a MemoryEstimate: one row model (``estimate_report``) and two thin formatters over it, the text
+``nbtrain estimate`` prints (``estimate_text``) and the HTML of the Panel's readout and of a notebook
+(``estimate_html``). Both read the same rows, so what they say cannot drift apart."""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .estimate import MemoryEstimate
+
+# (label, MemoryEstimate attribute): the parts, then the step's peak
+PART_ROWS = (("weights", "weights_gib"), ("gradients", "gradients_gib"), ("optimizer", "optimizer_gib"),
+             ("activations", "activations_gib"), ("logits + loss", "logits_gib"), ("overhead", "overhead_gib"),
+             ("total (peak)", "total_gib"))
+
+RED, AMBER, GREEN, GREY = "#c62828", "#ef6c00", "#2e7d32", "#666"
+
+
+@dataclass(frozen=True)
+class EstimateReport:
+    """What a report of an estimate says, once, for every format."""
+
+    title: str                              # the config in one line
+    total_params: int
+    trainable_params: int
+    parts: tuple[tuple[str, float], ...]    # (label, GiB) of each part; the total is not their sum
+    total_gib: float                        # the step's peak, overhead included
+    peak_phase: str
+    device: str
+    device_total_gib: float
+    fits: bool
+    notes: tuple[str, ...]
+    advice: tuple[Any, ...]                 # Advice items, cumulative, in order
+
+    @property
+    def share(self) -> Optional[float]:
+        """The total as a fraction of the device's memory (None when that is unknown or infinite)."""
+        if self.total_gib is None or not self.device_total_gib:
+            return None
+        frac = self.total_gib / self.device_total_gib
+        return frac if math.isfinite(frac) else None
+
+
+def estimate_report(est: MemoryEstimate) -> EstimateReport:
+    """The rows, verdict and advice of ``est``."""
+    cfg = est.config
+    title = (f"{cfg.model} {cfg.task}, {cfg.method}, {est.precision}, micro batch {cfg.micro_batch_size} x accum "
+             f"{cfg.grad_accum_steps}, seq {cfg.max_seq_len}"
+             f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}")
+    return EstimateReport(
+        title=title, total_params=est.total_params, trainable_params=est.trainable_params,
+        parts=tuple((name, getattr(est, attr)) for name, attr in PART_ROWS[:-1]), total_gib=est.total_gib,
+        peak_phase=est.peak_phase, device=est.device, device_total_gib=est.device_total_gib, fits=est.fits,
+        notes=tuple(est.notes), advice=tuple(est.advice))
+
+
+def fmt_gib(x: Optional[float]) -> str:
+    """A memory size for people: GiB from 1 GiB up, else MiB (else KiB), three significant figures."""
+    if x is None or not math.isfinite(x):
+        return "?"
+    if abs(x) >= 1024:
+        return f"{x / 1024:.2f} TiB"
+    if abs(x) >= 1:
+        return f"{x:.2f} GiB"
+    if abs(x) * 1024 >= 1:
+        return f"{x * 1024:.1f} MiB"
+    return f"{x * 1024 * 1024:.0f} KiB"
+
+
+# -- text ------------------------------------------------------------------------------------------------------
+def estimate_text(est: MemoryEstimate) -> str:
+    """The text table ``nbtrain estimate`` prints: the parts, the peak, the verdict and any advice."""
+    r = estimate_report(est)
+    lines = [f"memory estimate: {r.title}",
+             f"  parameters: {r.total_params:,} ({r.trainable_params:,} trainable)", ""]
+    rows = [*r.parts, (PART_ROWS[-1][0], r.total_gib)]
+    width = max(len(name) for name, _ in rows)
+    lines.append(f"  {'part':<{width}}  {'GiB':>9}")
+    for name, gib in r.parts:
+        lines.append(f"  {name:<{width}}  {gib:>9.2f}")
+    lines.append(f"  {'-' * width}  {'-' * 9}")
+    lines.append(f"  {PART_ROWS[-1][0]:<{width}}  {r.total_gib:>9.2f}")
+    lines.append("")
+    lines.append(f"  total: the step's peak, at {r.peak_phase}; not the sum of the parts, since")
+    lines.append("  gradients are created in backward as the activations are freed")
+    lines.append(f"  {r.device}: {r.device_total_gib:.2f} GiB -> {'fits' if r.fits else 'DOES NOT FIT'}")
+    for n in r.notes:
+        lines.append(f"  note: {n}")
+    if r.advice:
+        lines.append("")
+        lines.append("  to make it fit (each step keeps the previous ones):")
+        for k, a in enumerate(r.advice, 1):
+            lines.append(f"  {k}. {a.description}: {a.total_gib:.2f} GiB{'  fits' if a.fits else ''}")
+        last = r.advice[-1]
+        sets = " ".join(f"--set {k}={v}" for k, v in last.change.items())
+        lines.append(f"  {'use' if last.fits else 'closest'}: {sets}")
+    return "\n".join(lines)
+
+
+# -- HTML ------------------------------------------------------------------------------------------------------
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _small(text: str, color: str = GREY) -> str:
+    return f'<span style="color:{color};font-size:0.92em">{text}</span>'
+
+
+def _share_text(frac: float) -> str:
+    return f"({100 * frac:.1f}% of it)" if frac < 10 else f"({frac:,.0f}× what there is)"
+
+
+def estimate_html(est: MemoryEstimate, device: str = "", *, details: bool = False) -> str:
+    """The estimate as HTML: the total against the device's memory with a bar and the verdict, then the parts
+    and the peak's phase on one line, and the first advice when it does not fit (the Panel's readout; ``device``
+    is named beside the memory). ``details`` (a notebook's display): the config, the parts as a table, the
+    notes and every step of the advice."""
+    r = estimate_report(est)
+    frac = r.share
+    color = GREEN if r.fits else RED
+    verdict = (f"<span style='color:{GREEN}'>✓ fits</span>" if r.fits
+               else f"<span style='color:{RED}'>✗ does not fit</span>")
+    bar = ""
+    if frac is not None:
+        pct = max(0.5, min(100.0, 100 * frac))
+        bar = (f"<div style='display:inline-block;vertical-align:middle;width:160px;height:8px;background:#eee;"
+               f"border-radius:4px;margin:0 8px'><div style='width:{pct:.1f}%;height:8px;background:{color};"
+               f"border-radius:4px'></div></div>")
+    where = f" ({_esc(device)})" if device else ""
+    head = (f"<b>Memory</b> ≈ <b>{fmt_gib(r.total_gib)}</b> of {fmt_gib(r.device_total_gib)}{where}{bar}{verdict}"
+            + (f" {_small(_share_text(frac))}" if frac is not None else ""))
+    lines = [head]
+    if details:
+        lines.append(_small(_esc(f"{r.title}; {r.total_params:,} parameters ({r.trainable_params:,} trainable)")))
+        rows = "".join(f"<tr><td>{name}</td><td style='text-align:right'>{gib:,.2f}</td></tr>"
+                       for name, gib in (*r.parts, (PART_ROWS[-1][0], r.total_gib)))
+        lines.append(f"<table><tr><th>part</th><th>GiB</th></tr>{rows}</table>"
+                     + _small(f"the total is the step's peak, during {_esc(r.peak_phase)}"))
+        lines += [_small(f"note: {_esc(n)}") for n in r.notes]
+        if r.advice:
+            items = "".join(f"<li>{_esc(a.description)}: {fmt_gib(a.total_gib)}{' (fits)' if a.fits else ''}</li>"
+                            for a in r.advice)
+            lines.append(f"<span style='color:{AMBER}'>to make it fit, in order (each keeps the previous ones):"
+                         f"</span><ol>{items}</ol>")
+        return "<div style='line-height:1.5'>" + "<br>".join(lines) + "</div>"
+    parts = [f"{label} {fmt_gib(gib)}" for label, gib in r.parts if isinstance(gib, (int, float))]
+    if r.peak_phase:
+        parts.append(f"peak during {_esc(r.peak_phase)}")
+    if parts:
+        lines.append(_small(" · ".join(parts)))
+    if not r.fits and r.advice:
+        a = r.advice[0]
+        change = ", ".join(f"{k}={v!r}" for k, v in a.change.items())
+        lines.append(f"<span style='color:{AMBER}'>try <b>{_esc(change)}</b>: {_esc(a.description)}"
+                     + (f" → {fmt_gib(a.total_gib)}" + (" (fits)" if a.fits else "")
+                        if a.total_gib is not None else "") + "</span>")
+    return "<div style='line-height:1.5'>" + "<br>".join(lines) + "</div>"

@@ -1,0 +1,283 @@
+"""The timeline of one training step: the memory at each phase of it, and the peak.
+
+The step follows nbtrain's loop (``nbtrain.engine.loop``): fp32 master weights, the forward under
+``torch.autocast`` (bf16/fp16) or plain fp32/tf32, the loss ``cross_entropy(logits.float(), shifted labels)``
+outside autocast, ``backward()``, then AdamW and ``zero_grad(set_to_none=True)``.
+
+Notation: B = micro_batch_size, T = max_seq_len, N = B*T tokens per micro-batch, h = hidden size, V = vocabulary
+(or number of labels), s = autocast bytes (2 under bf16/fp16, 4 under fp32/tf32), C = loss_chunk_tokens.
+
+Weights and optimizer state are there all the time; gradients (``set_to_none``) appear during backward, as the
+activations they replace are freed. The peak is the largest phase: inside the last layer's forward, the end of
+the forward, the loss backward, the output layer's backward, each decoder layer's backward, the embedding's
+backward, and the optimizer step. With ``grad_accum_steps > 1`` the gradients of the earlier micro-batches are
+there all through the last one. docs/memory-model.md explains each term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import TrainConfig
+from .facts import NUM_LABELS, Architecture, architecture, layer_index, parameter_bytes
+from .trace import LayerTrace, LinearSpec, TracedTensor, layer_projections, trace_decoder_layer
+
+
+@dataclass
+class StepPeak:
+    """The parts of the estimate in bytes, and the step's peak with the phase it happens in."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int   # everything saved for backward except logits/loss, at the loss backward
+    logits: int        # logits + loss tensors at their peak
+    peak: int          # timeline peak of tensor bytes
+    phase: str
+    trainable: int
+    total: int
+    notes: list[str]
+
+
+@dataclass
+class _Layers:
+    """What the decoder layers keep for backward, and their short-lived tensors, from the trace."""
+
+    per_token: list[int]     # bytes saved per token, by layer
+    const: list[int]         # weight copies saved for backward, by layer
+    cache: list[int]         # weight copies in autocast's cache, by layer
+    fwd_extra: int           # short-lived tensors inside a layer's forward, per token
+    mlp_grad: float          # the MLP's backward intermediates, per token
+    attn_grad: int           # the attention's backward temporaries (math kernel), per token
+
+
+@dataclass
+class _Head:
+    """The final norm, the output layer (or classifier) and the loss."""
+
+    saved: int               # kept for backward: the final norm's input, the head's input, chunk targets
+    logits: int              # the logits at the end of the forward (0 when chunked)
+    loss_backward: int       # the loss's backward tensors at their peak
+    logits_grad: int         # the logits' gradient (0 when chunked)
+    chunk_forward: int       # the chunked loss's forward (its gradients too, when fused)
+    backward: int            # the output layer's backward, beyond the activations and earlier gradients
+    fused: bool              # the fused chunked path (nbtrain.engine.losses)
+
+
+def _trace_layers(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], autocast_bytes, device: str,
+                  lean: bool, math_seq: int) -> _Layers:
+    """Trace one representative layer, and the first, whose input may need no gradient."""
+    full = cfg.method == "full"
+
+    def layer_trace(idx: int, input_requires_grad: bool) -> tuple[LayerTrace, TracedTensor]:
+        tr = LayerTrace(autocast_bytes, 1 if device == "cuda" else None, not full and cfg.lora_dropout > 0,
+                        math_seq, quant_out_autocast=cfg.quant_bits == 4, lean=lean)
+        out = trace_decoder_layer(tr, TracedTensor(arch.hidden, 4, input_requires_grad),
+                                  layer_projections(arch, idx, cfg.method, adapted, cfg.lora_r), full, arch)
+        return tr, out
+
+    L = arch.layers
+    embedding_requires_grad = full or cfg.gradient_checkpointing   # checkpointing marks its output
+    first, _ = layer_trace(0, embedding_requires_grad)
+    rest = layer_trace(min(1, L - 1), True)[0] if L > 1 else first
+    return _Layers(per_token=[first.per_token] + [rest.per_token] * (L - 1),
+                   const=[first.const] + [rest.const] * (L - 1),
+                   cache=[first.cache] + [rest.cache] * (L - 1),
+                   fwd_extra=rest.fwd_extra, mlp_grad=rest.mlp_grad * rest.mlp_live / 2, attn_grad=rest.attn_grad)
+
+
+def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquantized: frozenset[str],
+          autocast_bytes, lean: bool, device: str) -> _Head:
+    """Memory of the final norm, the output layer and the loss, for each path the loss can take."""
+    task, method, full = cfg.task, cfg.method, cfg.method == "full"
+    h, V = arch.hidden, arch.vocab
+    B, T = cfg.micro_batch_size, cfg.max_seq_len
+    N = B * T
+    s = autocast_bytes or 4
+    head_linear = next((lin for lin in arch.linears if lin.name == arch.head), None)
+    head_weight = head_linear.weight if head_linear else V * h
+    head_trainable = full or task == "sequence-classification"
+    chunked = cfg.chunked_loss and task == "causal-lm"
+    tr = LayerTrace(autocast_bytes, 1 if device == "cuda" else None, False, lean=lean)
+    normed = tr.rmsnorm(TracedTensor(h, 4, True), full)
+    logits_size = s
+    if not chunked:
+        logits_size = tr.linear(normed, LinearSpec(h, V, head_weight,
+                                                   "trainable" if head_trainable else "frozen")).size
+    saved = tr.per_token * N + tr.const
+    n_targets = B * (T - 1) if task == "causal-lm" else B
+    # nbtrain.engine.losses fuses the loss into a plain linear head (no adapter on it, not quantized)
+    head_adapted = bool(arch.head) and any(n == arch.head or n.startswith(arch.head + ".") for n in adapted)
+    head_quantized = method == "qlora" and head_linear is not None and arch.head not in unquantized
+    fused = chunked and head_linear is not None and not head_adapted and not head_quantized
+    # the weight's gradient in the output layer's backward (its autocast copy's, then the fp32 one)
+    weight_grad = head_weight * ((s + 4) if autocast_bytes else 4) if head_trainable else 0
+    chunk_forward = 0
+    if fused:
+        # The fused path: each chunk's gradients (hidden states, and the weight when it trains) are made in the
+        # forward and kept until backward, which multiplies them by the incoming scalar (a second copy).
+        C = min(cfg.loss_chunk_tokens, n_targets)
+        saved += (4 * h + 8) * n_targets             # the selected fp32 hidden states and their targets
+        keep = 4 * h * n_targets + (4 * head_weight if head_trainable else 0)
+        if autocast_bytes:
+            # bf16 copies of the weight and the hidden states; a chunk's bf16 logits + fp32 copy, then its
+            # bf16 gradient beside the fp32 one; later the bf16 gradient alone beside the chunk's bf16 weight
+            # gradient before it is summed
+            copies = 2 * head_weight + 2 * h * n_targets
+            chunk = max(6 * C * V, 2 * C * V + (2 * head_weight if head_trainable else 0))
+        else:    # fp32: the logits are made, turned into their gradient in place, and summed in place
+            copies, chunk = 0, 4 * C * V
+        chunk_forward = copies + keep + chunk
+        logits = logits_grad = 0
+        loss_backward = 2 * keep                      # ... and the scaled copies the backward makes
+        # the saved gradients gone; the hidden states' gradient meets the index/slice backward
+        backward = (4 * head_weight if head_trainable else 0) + 4 * h * n_targets + 2 * 4 * h * N
+    elif chunked:
+        # nbtrain.engine.losses: the head and the loss chunk by chunk, each chunk recomputed in backward. Kept:
+        # the selected hidden states (fp32) and targets; a chunk's backward holds its logits, log_softmax and
+        # the two fp32 gradients, the head's bf16 weight copy, and the hidden states' gradient buffers
+        C = min(cfg.loss_chunk_tokens, n_targets)
+        saved += (4 * h + 8) * n_targets
+        logits = logits_grad = 0
+        copy = 2 * head_weight if autocast_bytes else 0
+        loss_backward = 12 * C * V + 2 * 4 * h * n_targets + copy
+        if head_trainable and n_targets > C:   # the earlier chunks' weight gradient waits to be summed
+            loss_backward += 4 * head_weight
+        chunk_forward = 4 * h * N + (s + 8) * C * V + copy
+        # one chunk's logits gradient and the weight's; the log_softmax tensors are gone by then
+        backward = s * C * V + weight_grad + loss_backward - 12 * C * V
+        if head_trainable and n_targets > C:   # ... and the sum is made out of place
+            backward += 4 * head_weight
+    elif task == "causal-lm":
+        # the loop shifts the labels (padded with -100), not the logits: the loss runs over all N rows
+        logits = N * V * logits_size
+        loss_backward = 12 * N * V + 8 * N     # log_softmax output, its two fp32 gradients, targets
+        logits_grad = N * V * logits_size
+        backward = logits_grad + (s + 4) * h * N + weight_grad
+    else:
+        logits = N * V * logits_size           # the head runs on every position, then pools
+        loss_backward = 12 * B * V
+        logits_grad = logits
+        backward = logits_grad + (s + 4) * h * N + weight_grad
+    return _Head(saved=saved, logits=logits, loss_backward=loss_backward, logits_grad=logits_grad,
+                 chunk_forward=chunk_forward, backward=backward, fused=fused)
+
+
+def _gradients_by_position(arch: Architecture, full: bool, adapted: dict[str, int],
+                           gradients: int) -> tuple[list[int], int, int, int]:
+    """Gradient bytes by where backward creates them: (per decoder layer, output layer, embedding, others)."""
+    L = arch.layers
+    per_layer = [0] * L
+    if not full:
+        for name, n in adapted.items():
+            idx = layer_index(name, L)
+            if idx is not None:
+                per_layer[idx] += 4 * n
+        return per_layer, gradients - sum(per_layer), 0, 0
+    head_names = {f"{arch.head}.weight", f"{arch.head}.bias"} if arch.head else set()
+    head = embedding = other = 0
+    for name, n, _ in arch.params:   # tied weights appear once, under the embedding's name
+        idx = layer_index(name, L)
+        if idx is not None:
+            per_layer[idx] += 4 * n
+        elif name in head_names:
+            head += 4 * n
+        elif "embed" in name or name.endswith("wte.weight") or name.endswith("wpe.weight"):
+            embedding += 4 * n
+        else:
+            other += 4 * n
+    if arch.tied:
+        head = embedding   # the output layer's backward creates the shared weight's gradient first
+    return per_layer, head, embedding, other
+
+
+def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = NUM_LABELS) -> StepPeak:
+    """The parts of one training step of ``cfg`` under ``precision`` on ``device``, and its peak."""
+    arch = architecture(cfg.model, cfg.task, num_labels)
+    params = parameter_bytes(cfg, arch, num_labels)
+    notes: list[str] = []
+    h, L = arch.hidden, arch.layers
+    T = cfg.max_seq_len
+    N = cfg.micro_batch_size * T
+    autocast_bytes = 2 if precision in ("bf16", "fp16") else None   # tf32 keeps fp32 tensors
+    full = cfg.method == "full"
+    ckpt = cfg.gradient_checkpointing
+
+    # -- activations ------------------------------------------------------------------------------------------
+    if not arch.llama_like:
+        notes.append(f"{arch.model_type}: activations approximated with a Llama-style layer of the same sizes")
+    if cfg.method == "qlora" and cfg.quant_bits == 8:
+        notes.append("8-bit layers' activations are approximated as the 4-bit layers' (measured for 4-bit only)")
+    # nbtrain.models.lean applies to Llama-style layers, and not under compile (the estimate models eager layers)
+    lean = cfg.lean_layers and not cfg.compile and arch.llama_like
+    if cfg.lean_layers and not lean:
+        notes.append("lean_layers: no effect here (" + ("not applied under compile=True" if cfg.compile
+                     else f"{arch.model_type} has no Llama-style MLP and RMSNorm") + ")")
+    # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
+    # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
+    math_seq = T if device == "cuda" and autocast_bytes is None and arch.kv_heads < arch.heads else 0
+    if math_seq:
+        notes.append("fp32 attention with grouped kv heads runs SDPA's math kernel on CUDA (T x T scores per "
+                     "layer); bf16 avoids it")
+    layers = _trace_layers(cfg, arch, params.adapted, autocast_bytes, device, lean, math_seq)
+    rope_bytes = 2 * arch.head_dim * 4 * T       # cos and sin, fp32, shared by all layers
+    inputs = 3 * 8 * N                           # input_ids, attention_mask, labels (int64)
+    head = _head(cfg, arch, params.adapted, params.unquantized, autocast_bytes, lean, device)
+    if ckpt:
+        kept = [4 * h * N] * L         # each checkpointed layer keeps only its fp32 input
+    else:
+        kept = [layers.per_token[k] * N + layers.const[k] for k in range(L)]
+    acts = sum(kept) + rope_bytes + inputs + head.saved
+
+    # -- the timeline -----------------------------------------------------------------------------------------
+    grads = params.gradients
+    accum = cfg.grad_accum_steps > 1
+    earlier_grads = grads if accum else 0   # earlier micro-batches' gradients, present all through the last one
+    phases: dict[str, tuple[int, str]] = {}
+    # end of the forward, still inside autocast, whose cache holds the trainable weights' bf16 copies
+    cache_only = sum(layers.cache) if ckpt else 0
+    phases["forward"] = (earlier_grads + acts + cache_only + head.logits + head.chunk_forward,
+                         "the chunked loss's forward (its gradients made there)" if head.fused
+                         else "the end of the forward")
+    if not ckpt:
+        # inside the last layer's forward: its short-lived tensors (an adapter's fp32 input copy and dropout
+        # output, the math kernel's scores) on top of everything the layers have kept
+        phases["last layer"] = (earlier_grads + acts - head.saved + cache_only + layers.fwd_extra * N,
+                                "the last layer's forward")
+    # nbtrain.engine.loop.micro_loss_sum keeps no reference to the logits: after the loss's forward only the
+    # autograd graph holds what backward needs (log_softmax's output, not the logits)
+    phases["loss"] = (earlier_grads + acts + head.loss_backward, "the loss backward (log_softmax)")
+    # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
+    phases["head"] = (earlier_grads + acts + head.backward, "the output layer's backward")
+    # decoder layers, last to first: their activations go, their gradients come
+    layer_grads, head_grads, embedding_grads, other_grads = _gradients_by_position(arch, full, params.adapted,
+                                                                                   grads)
+    remaining = acts - head.saved
+    grads_so_far = head_grads + other_grads
+    worst = (0, "")
+    for k in reversed(range(L)):
+        layer_act = layers.per_token[k] * N
+        # inside the MLP's backward: the gradients of SiLU(gate) and up (or the attention's, if larger)
+        backward_temps = max(2 * layers.mlp_grad, layers.attn_grad) * N
+        if ckpt:                       # the layer is recomputed first, with its own short-lived tensors
+            transient = layer_act + layers.const[k] - 4 * h * N + max(layers.fwd_extra * N, backward_temps)
+        else:
+            transient = backward_temps
+        transient += 4 * h * N         # the residual stream's gradient
+        here = earlier_grads + remaining + (0 if accum else grads_so_far) + layer_grads[k] + transient
+        if here > worst[0]:
+            worst = (here, f"layer {k}'s backward" + (" (recomputed)" if ckpt else ""))
+        remaining -= kept[k]
+        grads_so_far += layer_grads[k]
+    phases["layers"] = worst
+    # the input embedding's dense gradient; tied to the output layer it is summed with that one's
+    embedding_extra = 0
+    if full and embedding_grads:
+        embedding_extra = 2 * embedding_grads if arch.tied else (embedding_grads if accum else 0)
+    phases["embedding"] = (grads + embedding_extra, "the embedding's backward")
+    phases["optimizer"] = (grads, "the optimizer step")
+    top, where = max(phases.values(), key=lambda v: v[0])
+    head_part = max(head.chunk_forward, head.loss_backward) if head.fused else head.logits + head.loss_backward
+    return StepPeak(weights=params.weights, gradients=grads, optimizer=params.optimizer, activations=acts,
+                    logits=head_part, peak=params.weights + params.optimizer + top, phase=where,
+                    trainable=params.trainable, total=params.total, notes=notes)

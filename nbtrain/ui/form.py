@@ -1,0 +1,284 @@
+"""The form: one widget per TrainConfig field on tabs, config <-> widgets, validation, and errors marked inline.
+
+``Form.config`` is the TrainConfig of the current values (or a ConfigError); setting it shows a config. What
+this machine cannot run (a precision or method ``capabilities()`` gives a reason for) is greyed out with its
+reason, and when chosen anyway it is an error on that field: the panel does not start it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import ipywidgets as widgets
+
+from ..config import ConfigError, TrainConfig
+from ..hardware import PRECISIONS
+from . import render
+from .controls import Choice, Codec, make_codecs, yaml_codec
+
+# Which tab each field lives on. A field not listed here lands on "Training" (see section_of).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "Model": ("model", "task"),
+    "Data": ("data", "text_column", "label_column", "max_seq_len", "subset", "packing", "eval_fraction"),
+    "Precision": ("precision",),
+    "Accumulation": ("micro_batch_size", "grad_accum_steps", "auto_batch_size"),
+    "Method": ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
+               "gradient_checkpointing", "lean_layers"),
+    "Training": ("lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
+                 "eval_every", "log_every", "seed", "nonfinite", "output_dir", "save_every", "resume_from",
+                 "chunked_loss", "loss_chunk_tokens", "compile"),
+}
+
+PRECISION_HINTS: dict[str, str] = {
+    "auto": "picks bf16 where supported, else fp16 on CUDA, else fp32",
+    "fp32": "full precision, the reference: most memory, slowest on GPUs",
+    "tf32": "fp32 storage, matmuls with a 10-bit mantissa on tensor cores (Ampere+)",
+    "fp16": "needs loss scaling (GradScaler); overflow above 65504",
+    "bf16": "fp32 range, less mantissa (8 bits); no loss scaling needed",
+}
+
+METHOD_HINTS: dict[str, str] = {
+    "full": "every weight trains: gradients and AdamW state for all of them",
+    "lora": "base frozen; small rank-r adapters train (little gradient and optimizer memory)",
+    "qlora": "LoRA on a 4/8-bit quantised frozen base (bitsandbytes): the least weight memory",
+}
+
+_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+_MACHINE_FIELDS = ("precision", "method")   # what capabilities() can rule out on this machine
+
+
+def section_of(field: str) -> str:
+    for section, fields in SECTIONS.items():
+        if field in fields:
+            return section
+    return "Training"
+
+
+def help_text(name: str) -> str:
+    """A field's help line: its description in TrainConfig (the one source of field help)."""
+    info = TrainConfig.model_fields.get(name)
+    return (info.description or "") if info is not None else ""
+
+
+class Form:
+    """The controls of every TrainConfig field, their tabs and info lines, validation and the error box.
+
+    ``on_change`` is called after every change of a value (not while ``config`` is being set).
+    """
+
+    def __init__(self, caps, on_change: Callable[[], None] = lambda: None):
+        self.caps = caps
+        self.on_change = on_change
+        self.errors: list[dict] = []
+        self._holding = False
+        self.codecs = self._make_codecs()
+        self.controls: dict[str, widgets.Widget] = {name: codec.make() for name, codec in self.codecs.items()}
+        self.help = {name: widgets.HTML(render.small(render.esc(help_text(name)))) for name in self.controls}
+        self.rows = {name: self._row(name) for name in self.controls}
+        self.model_info = widgets.HTML()
+        self.data_info = widgets.HTML()
+        self.precision_info = widgets.HTML()
+        self.accumulation_info = widgets.HTML()
+        self.method_info = widgets.HTML()
+        self.error = widgets.HTML()
+        self.tabs = self._build_tabs()
+        for w in self.controls.values():
+            w.observe(self._changed, names="value")
+
+    # -- construction ------------------------------------------------------------------------
+    def _make_codecs(self) -> dict[str, Codec]:
+        try:
+            from ..models import PRESETS
+            presets = sorted(PRESETS)
+        except Exception:  # the model package failing to import must not take the panel down
+            presets = ["tiny"]
+        try:
+            from ..data import BUILTINS
+            builtins = [f"builtin:{n}" for n in BUILTINS]
+        except Exception:
+            builtins = ["builtin:python-docs"]
+        caps = self.caps
+        tips = {p: PRECISION_HINTS[p] + (f" ({caps.notes[p]})" if p in caps.notes else "")
+                for p in PRECISION_HINTS}
+        tips["auto"] = f"{PRECISION_HINTS['auto']}; here: {caps.auto_precision}"
+        codecs = make_codecs(presets, builtins,
+                             precision_disabled={p: caps.reasons[p] for p in PRECISIONS if p in caps.reasons},
+                             method_disabled={m: caps.reasons[m] for m in METHOD_HINTS if m in caps.reasons},
+                             precision_tips=tips, method_tips=METHOD_HINTS)
+        # A field this module has no codec for still gets a (YAML text) control.
+        return {name: codecs.get(name) or yaml_codec(name) for name in TrainConfig.model_fields}
+
+    def _row(self, name: str) -> widgets.Widget:
+        w = self.controls[name]
+        if isinstance(w, Choice):
+            return widgets.VBox([w, self.help[name]])
+        return widgets.HBox([w, self.help[name]], layout=widgets.Layout(align_items="center"))
+
+    def _build_tabs(self) -> widgets.Tab:
+        extra = {"Model": [self.model_info], "Data": [self.data_info], "Precision": [self.precision_info],
+                 "Accumulation": [self.accumulation_info], "Method": [self.method_info]}
+        placed = {f for fields in SECTIONS.values() for f in fields}
+        pages = []
+        for section, fields in SECTIONS.items():
+            rows = [self.rows[f] for f in fields]
+            if section == "Training":
+                rows += [self.rows[f] for f in self.controls if f not in placed]
+            # The info line sits right under the field it explains (the first one of the section).
+            pages.append(widgets.VBox(rows[:1] + extra.get(section, []) + rows[1:],
+                                      layout=widgets.Layout(padding="6px")))
+        return widgets.Tab(children=pages, titles=tuple(SECTIONS))
+
+    # -- config <-> widgets ------------------------------------------------------------------
+    @property
+    def config(self) -> TrainConfig:
+        """The validated TrainConfig of the current values; raises ConfigError (also shown inline) when invalid."""
+        cfg, errors = self.validate()
+        if cfg is None:
+            raise ConfigError("Invalid settings:\n  " + "\n  ".join(f"{e['field']}: {e['message']}" for e in errors),
+                              field=errors[0]["field"], errors=errors)
+        return cfg
+
+    @config.setter
+    def config(self, cfg: TrainConfig) -> None:
+        if not isinstance(cfg, TrainConfig):
+            raise TypeError(f"Panel.config takes a TrainConfig, got {type(cfg).__name__}")
+        self._holding = True   # one refresh after all controls are set, not one per control
+        try:
+            for name, value in cfg.to_dict().items():
+                self.controls[name].value = self.codecs[name].encode(value)
+        finally:
+            self._holding = False
+        self.refresh()
+        self.on_change()
+
+    def _values(self) -> tuple[dict, list[dict]]:
+        values, errors = {}, []
+        for name, w in self.controls.items():
+            try:
+                values[name] = self.codecs[name].decode(w.value)
+            except ValueError as e:
+                errors.append({"field": name, "message": str(e)})
+        return values, errors
+
+    def machine_errors(self, values: dict) -> list[dict]:
+        """What this machine cannot run among ``values`` (a precision or method with a reason), as errors."""
+        caps, errors = self.caps, []
+        for field in _MACHINE_FIELDS:
+            v = values.get(field)
+            if v != "auto" and v in caps.reasons:
+                errors.append({"field": field, "message": f"{v!r} cannot run on this {caps.device} "
+                                                         f"({caps.name}): {caps.reasons[v]}"})
+        return errors
+
+    def validate(self) -> tuple[Optional[TrainConfig], list[dict]]:
+        """``(config, [])`` for valid values, else ``(None, errors)``: each error names its field."""
+        values, errors = self._values()
+        if errors:
+            return None, errors
+        try:
+            cfg = TrainConfig(**values)
+        except ConfigError as e:
+            return None, list(e.errors)
+        except Exception as e:  # a check that itself failed (e.g. a model that cannot be inspected)
+            return None, [{"field": "config", "message": f"{type(e).__name__}: {e}"}]
+        errors = self.machine_errors(values)
+        return (None, errors) if errors else (cfg, [])
+
+    def load_yaml(self, path) -> TrainConfig:
+        """Show the config in a YAML file; on error the controls stay as they were and the error is shown."""
+        try:
+            cfg = TrainConfig.from_yaml(path)
+        except (ConfigError, OSError) as e:
+            self.show_errors([{"field": getattr(e, "field", None) or "yaml", "message": str(e)}])
+            raise
+        self.config = cfg
+        return cfg
+
+    def save_yaml(self, path) -> Path:
+        """Write the current config to a YAML file (raises ConfigError, also shown, when it is invalid)."""
+        self.config.to_yaml(path)
+        return Path(path)
+
+    # -- reacting to changes -----------------------------------------------------------------
+    def _changed(self, _change=None) -> None:
+        if not self._holding:
+            self.refresh()
+            self.on_change()
+
+    def refresh(self) -> None:
+        """Bring the info lines, hidden fields and the error box up to date with the current values."""
+        raw = {name: w.value for name, w in self.controls.items()}
+        self._update_model_info(raw)
+        self._update_data_info(raw)
+        self.precision_info.value = render.precision_info_html(self.caps, raw["precision"], PRECISION_HINTS,
+                                                               PRECISIONS)
+        self._update_accumulation_info(raw)
+        self._update_method_fields(raw)
+        self.show_errors(self.validate()[1])
+
+    def show_errors(self, errors: list[dict]) -> None:
+        """Mark the fields named in ``errors`` red and list the errors in the error box."""
+        self.errors = list(errors)
+        bad = {e.get("field") for e in errors}
+        for name, w in self.controls.items():
+            w.layout.border = render.INVALID_BORDER if name in bad else ""
+        self.error.value = render.errors_html(errors, {f: section_of(f) for f in self.controls})
+
+    def select(self, field: Optional[str]) -> None:
+        """Show the tab of ``field`` (when it is one)."""
+        if field in self.controls:
+            self.tabs.selected_index = list(SECTIONS).index(section_of(field))
+
+    def _update_model_info(self, raw: dict) -> None:
+        name = str(raw["model"]).strip()
+        try:
+            from ..models import PRESETS, resolve_source
+
+            src = resolve_source(name)
+            if src.kind == "preset":
+                text = f"preset: {render.esc(PRESETS[name].description)}"
+            elif src.kind == "local":
+                text = f"local directory {render.esc(src.name)}"
+            else:
+                text = "Hugging Face Hub id: downloaded on first use (needs network, or the local cache)"
+            self.model_info.value = render.small(text)
+        except Exception as e:
+            self.model_info.value = render.small(render.esc(e), render.AMBER)
+
+    def _update_data_info(self, raw: dict) -> None:
+        name = str(raw["data"]).strip()
+        if name.startswith("builtin:"):
+            try:
+                from ..data import BUILTINS
+
+                desc = BUILTINS.get(name[len("builtin:"):])
+            except Exception:
+                desc = None
+            text = f"builtin: {render.esc(desc)}" if desc else render.esc(f"unknown builtin dataset {name!r}")
+        elif name and Path(name).expanduser().exists():
+            p = Path(name).expanduser()
+            text = (f"local {'directory' if p.is_dir() else (p.suffix.lstrip('.') or 'file')}: "
+                    f"{render.esc(p.resolve())}")
+        else:
+            text = "dataset id (Hugging Face Hub): downloaded on first use"
+        self.data_info.value = render.small(text)
+        # The label column only matters for classification.
+        self.controls["label_column"].disabled = raw["task"] != "sequence-classification"
+
+    def _update_accumulation_info(self, raw: dict) -> None:
+        try:
+            steps = self.codecs["max_steps"].decode(raw["max_steps"])
+        except ValueError:
+            steps = None   # the error line already says why
+        self.accumulation_info.value = render.accumulation_info_html(
+            raw["micro_batch_size"], raw["grad_accum_steps"], raw["max_seq_len"], raw["task"], raw["packing"],
+            steps)
+
+    def _update_method_fields(self, raw: dict) -> None:
+        method = raw["method"]
+        for f in _LORA_FIELDS:
+            self.rows[f].layout.display = "" if method in ("lora", "qlora") else "none"
+        self.rows["quant_bits"].layout.display = "" if method == "qlora" else "none"
+        self.method_info.value = render.method_info_html(method, METHOD_HINTS.get(method, ""),
+                                                         self.caps.reasons.get(method))

@@ -1,0 +1,146 @@
+"""The panel's HTML: status, result and error lines, notes, tables, and the info lines under the fields.
+Pure functions from values to strings; no widgets, no state. (The memory readout is
+:func:`nbtrain.memory.estimate_html`.)"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any, Optional
+
+RED, AMBER, GREEN, GREY = "#c62828", "#ef6c00", "#2e7d32", "#666"
+INVALID_BORDER = f"1px solid {RED}"
+
+
+def esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def small(text: str, color: str = GREY) -> str:
+    return f'<span style="color:{color};font-size:0.92em">{text}</span>'
+
+
+def status_html(text: str, color: str) -> str:
+    return f'<span style="color:{color}">{text}</span>'
+
+
+def header_html(caps) -> str:
+    device_line = (f"· {esc(caps.device)}: {esc(caps.name)} · {caps.total_memory_gib:.1f} GiB"
+                   f" · precision auto → {esc(caps.auto_precision)}")
+    return f"<b>nbtrain</b> {small(device_line)}"
+
+
+def errors_html(errors: list[dict], where: dict[str, str]) -> str:
+    """The error box: one line per error, ``where`` maps a field to its tab; "" when there are none."""
+    if not errors:
+        return ""
+    lines = []
+    for e in errors:
+        field = e.get("field") or "config"
+        place = f"{where[field]} › " if field in where else ""
+        lines.append(f"⚠ {esc(place)}<b>{esc(field)}</b>: {esc(e.get('message', 'invalid'))}")
+    return (f'<div style="color:{RED};border-left:3px solid {RED};padding:2px 8px">'
+            + "<br>".join(lines) + "</div>")
+
+
+# -- info lines under the fields ------------------------------------------------------------------
+def precision_info_html(caps, chosen: str, hints: dict[str, str], precisions) -> str:
+    """Every precision with its hint, or why this device cannot run it; the chosen one highlighted."""
+    lines = []
+    for p in ("auto", *precisions):
+        why = caps.reasons.get(p)
+        if why:
+            line = f"<b>{p}</b>: <span style='color:{RED}'>unavailable</span> — {esc(why)}"
+        else:
+            if p == "auto":
+                line = (f"<b>{p}</b>: {esc(hints[p])} → <b>{esc(caps.auto_precision)}</b> "
+                        f"on this {esc(caps.device)}")
+            else:
+                line = f"<b>{p}</b>: {esc(hints[p])}"
+            if p in caps.notes:
+                line += f" {small('(' + esc(caps.notes[p]) + ')', AMBER)}"
+        if p == chosen:
+            line = f"<span style='background:#e3f2fd'>▶ {line}</span>"
+        lines.append(line)
+    return "<div style='line-height:1.6'>" + "<br>".join(lines) + "</div>"
+
+
+def accumulation_info_html(micro: int, accum: int, seq: int, task: str, packing: bool,
+                           steps: Optional[int]) -> str:
+    eff = micro * accum
+    tokens = eff * seq
+    if task == "sequence-classification":
+        tok_note = "input tokens (up to); the loss counts one target per example"
+    elif packing:
+        tok_note = "tokens, exactly (packing fills every row)"
+    else:
+        tok_note = "tokens at most (fewer when texts are shorter than max_seq_len)"
+    seen = f" · {steps:,} steps see {steps * eff:,} examples" if steps else ""
+    return (f"effective batch <b>{micro} × {accum} = {eff:,}</b> examples per optimizer step · "
+            f"<b>{eff:,} × {seq:,} = {tokens:,}</b> {tok_note}{esc(seen)}<br>"
+            + small("same effective batch, smaller micro batch: less activation memory, same loss "
+                    "(token-weighted), more time per step"))
+
+
+def method_info_html(method: str, hint: str, why: Optional[str]) -> str:
+    if why:
+        return small(f"<b>{esc(method)}</b>: unavailable — {esc(why)}", RED)
+    return small(esc(hint))
+
+
+# -- results ------------------------------------------------------------------------------------
+def _reason(result) -> Optional[str]:
+    return (getattr(result, "summary", None) or {}).get("stopped_reason")
+
+
+def status_color(result) -> str:
+    reason = _reason(result)
+    if reason in ("max_steps", "epochs"):
+        return GREEN
+    return AMBER if reason in ("stopped", "interrupted") else RED
+
+
+def result_line(result) -> str:
+    """The status line of a finished Train: how it ended, steps, losses, speed, precision."""
+    s = getattr(result, "summary", None) or {}
+    reason = _reason(result)
+    loss = s.get("final_loss")
+    bits = [f"{s.get('steps', 0)} steps"]
+    if loss is not None:
+        bits.append(f"final loss {loss:.4g}" if math.isfinite(loss) else f"final loss {loss}")
+    if s.get("eval_loss") is not None:
+        bits.append(f"eval loss {s['eval_loss']:.4g}")
+    if s.get("tokens_per_s"):
+        bits.append(f"{s['tokens_per_s']:,.0f} tok/s")
+    if s.get("precision_used"):
+        bits.append(str(s["precision_used"]))
+    if reason in ("max_steps", "epochs"):
+        head = "done"
+    elif reason == "stopped":
+        head = "stopped (history kept)"
+    elif reason == "out_of_memory":
+        head = "ended: out of memory (history kept)"
+    else:
+        head = f"ended: {reason}"
+    return esc(f"{head} — " + " · ".join(bits) + (f" ({reason})" if reason in ("max_steps", "epochs") else ""))
+
+
+def notes_block(runs: list) -> str:
+    """The notes and out-of-memory advice of ``(name, TrainResult)`` pairs, as short lists; "" when none."""
+    from ..viz.text import notes_html
+
+    parts = []
+    for name, result in runs:
+        body = notes_html(result)
+        if body:
+            parts.append((f"<b>{esc(name)}</b>" if name else "") + body)
+    return "<div style='margin-top:2px'>" + "".join(parts) + "</div>" if parts else ""
+
+
+def table_html(table) -> str:
+    """A comparison table (DataFrame) as a scrollable HTML table."""
+    try:
+        body = table.to_html(float_format=lambda v: f"{v:.4g}", border=0, na_rep="—")
+    except Exception:
+        body = f"<pre>{esc(table)}</pre>"
+    return f"<div style='overflow-x:auto'>{body}</div>"

@@ -1,0 +1,273 @@
+"""The runner: Train / Stop / Compare, the status line and notes under them, and the live dashboard area.
+
+A Train runs through ``nbt.start()`` and a Compare through ``compare()`` in a background thread, so the
+panel and the kernel stay responsive. Every thread goes through :mod:`nbtrain.engine.threads` (``spawn``):
+interpreter exit stops it and waits for it. Errors never reach the user as a traceback: they become the
+status line, and a ConfigError (or another error that names a field) is handed to ``on_field_error``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Callable, Optional
+
+import ipywidgets as widgets
+
+from ..engine import StopTraining, start
+from ..engine.threads import spawn
+from ..hardware import PRECISIONS
+from . import render
+
+
+class Job:
+    """One Train or Compare press: its kind, stop request, run (Train) and completion."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.stop = threading.Event()
+        self.done = threading.Event()
+        self.finished = False
+        self.run = None
+
+    def halt(self) -> None:
+        """Ask this job to end after the current step (no widget updates: also called at interpreter exit)."""
+        self.stop.set()
+        if self.run is not None:
+            self.run.stop()
+
+
+class StatusCallback:
+    """The runner's own callback: status line while running, result and buttons when the run ends."""
+
+    MIN_INTERVAL = 0.25  # status updates per second are capped: each one is a message to the frontend
+
+    def __init__(self, runner: Runner, job: Job):
+        self.runner, self.job = runner, job
+        self.total = None
+        self.variant = None
+        self._last = 0.0
+
+    def on_run_start(self, info) -> None:
+        # A Stop during a comparison ends each later variant at its first step (on_step_end below), so
+        # its row says "stopped"; raising here would end it with no steps but an untrue "max_steps".
+        self.total, self.variant = info.total_steps, info.variant
+        where = f"{info.device} · {info.precision_used}" + (" + GradScaler" if info.scaler_enabled else "")
+        self.runner.set_status(f"running{self._name()}: step 0/{self.total} ({where})", render.GREY)
+
+    def on_step_end(self, record) -> None:
+        if self.job.stop.is_set():
+            raise StopTraining
+        now = time.monotonic()
+        if now - self._last >= self.MIN_INTERVAL or record.step == self.total:
+            self._last = now
+            loss = f"{record.loss:.4g}" if record.loss is not None and math.isfinite(record.loss) else record.loss
+            self.runner.set_status(f"running{self._name()}: step {record.step}/{self.total} · loss {loss}",
+                                   render.GREY)
+
+    def on_run_end(self, result) -> None:
+        if self.job.kind == "train":
+            self.runner.finish(self.job, result=result)
+
+    def _name(self) -> str:
+        return f" {self.variant}" if self.variant else ""
+
+
+class Runner:
+    """The Train / Stop / Compare buttons, the precisions to compare, the status and notes, the dashboard.
+
+    ``run``, ``result`` and ``comparison`` are the last run, its TrainResult and the last ComparisonResult;
+    ``job`` the last press. ``callbacks`` are added to every run. ``on_field_error(errors)`` receives the
+    errors of a run that failed on a field (``[{"field", "message"}]``).
+    """
+
+    def __init__(self, caps, hints: dict[str, str], *, callbacks=(),
+                 on_field_error: Callable[[list], None] = lambda errors: None):
+        self.caps = caps
+        self.callbacks = list(callbacks)
+        self.on_field_error = on_field_error
+        self.run = None
+        self.result = None
+        self.comparison = None
+        self.comparison_table = None
+        self.dashboard = None
+        self.job: Optional[Job] = None
+        self.compare_thread: Optional[threading.Thread] = None
+        self._lock = threading.RLock()
+
+        self.status = widgets.HTML()
+        self.notes = widgets.HTML()   # the last run's notes and out-of-memory advice, under the status
+        self.train_button = widgets.Button(description="Train", button_style="success", icon="play",
+                                           tooltip="train with these settings (background thread)")
+        self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop", disabled=True,
+                                          tooltip="end the run after the current step; history is kept")
+        self.compare_button = widgets.Button(description="Compare precisions", icon="balance-scale",
+                                             layout=widgets.Layout(width="auto"),
+                                             tooltip="run these settings once per ticked precision")
+        self.compare_choices = {
+            p: widgets.Checkbox(value=p not in caps.reasons, disabled=p in caps.reasons, description=p,
+                                indent=False, layout=widgets.Layout(width="auto", margin="0 8px 0 0"),
+                                tooltip=caps.reasons.get(p) or hints[p])
+            for p in PRECISIONS}
+        self.dashboard_area = widgets.VBox()
+        compare_row = widgets.HBox([widgets.HTML(render.small("compare:")), *self.compare_choices.values()],
+                                   layout=widgets.Layout(align_items="center", margin="0 0 0 12px"))
+        self.buttons_row = widgets.HBox([self.train_button, self.stop_button, self.compare_button, compare_row],
+                                        layout=widgets.Layout(align_items="center", flex_flow="row wrap"))
+        self.set_status("ready", render.GREY)
+
+    # -- state ------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return self.job is not None and not self.job.finished
+
+    def set_status(self, text: str, color: str) -> None:
+        self.status.value = render.status_html(text, color)
+
+    def compare_precisions(self) -> tuple[str, ...]:
+        """The precisions Compare runs: the ticked ones this device can run."""
+        return tuple(p for p, box in self.compare_choices.items() if box.value and p not in self.caps.reasons)
+
+    # -- starting -------------------------------------------------------------------------------
+    def begin(self, kind: str) -> Job:
+        """A new job: notes cleared, Train and Compare disabled, Stop enabled."""
+        job = Job(kind)
+        self.job = job
+        self.notes.value = ""
+        self.train_button.disabled = True
+        self.compare_button.disabled = True
+        self.stop_button.disabled = False
+        return job
+
+    def _new_dashboard(self):
+        from ..viz.dashboard import LiveDashboard
+
+        # display=False: the runner shows the dashboard's widget in its own area, never in whatever cell
+        # the training thread happens to write to.
+        try:
+            dash = LiveDashboard(display=False, mode="widget")
+        except ImportError:   # no anywidget: no FigureWidget; the static figure is shown at the end
+            dash = LiveDashboard(display=False, mode="html")
+        self.dashboard = dash
+        self.dashboard_area.children = (dash.widget,) if dash.widget is not None else ()
+        return dash
+
+    def train(self, cfg) -> None:
+        """Start a Train of ``cfg`` in the background."""
+        job = self.begin("train")
+        dash = self._new_dashboard()
+        self.set_status("starting… (loading data and model)", render.GREY)
+        try:
+            run = start(cfg, callbacks=[dash, StatusCallback(self, job), *self.callbacks])
+        except Exception as e:
+            self.finish(job, error=e)
+            return
+        self.run = run
+        job.run = run
+        # Interpreter exit stops the run and waits for it, so a script that ends after Stop ends cleanly.
+        spawn(lambda: self._watch(job, run), "nbtrain-panel-watch", stop=job.halt)
+
+    def _watch(self, job: Job, run) -> None:
+        # on_run_end normally finishes the job; this catches a run that died before it (bad data, ...).
+        try:
+            result = run.wait()
+        except BaseException as e:
+            self.finish(job, error=e)
+        else:
+            self.finish(job, result=result)
+
+    def compare(self, cfg, precisions: tuple[str, ...]) -> None:
+        """Start a Compare of ``cfg`` over ``precisions`` in the background."""
+        from ..compare import compare
+
+        job = self.begin("compare")
+        dash = self._new_dashboard()
+        self.set_status(f"comparing {', '.join(precisions)}…", render.GREY)
+        callbacks = [dash, StatusCallback(self, job), *self.callbacks]
+
+        def work():
+            try:
+                cmp = compare(cfg, precisions=precisions, callbacks=callbacks)
+            except BaseException as e:
+                self.finish(job, error=e)
+            else:
+                self.finish(job, comparison=cmp)
+
+        self.compare_thread = spawn(work, "nbtrain-panel-compare", stop=job.halt, cfg=cfg)
+
+    # -- stopping and ending --------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the running Train or Compare after the current step; history is kept."""
+        job = self.job
+        if job is None or job.finished:
+            return
+        job.halt()
+        self.stop_button.disabled = True
+        self.set_status("stopping after the current step…", render.AMBER)
+
+    def wait(self, timeout: Optional[float] = None):
+        """Wait for the current Train or Compare to finish; returns the result or comparison (None if none)."""
+        job = self.job
+        if job is None:
+            return None
+        if not job.done.wait(timeout):
+            return None
+        return self.result if job.kind == "train" else self.comparison
+
+    def finish(self, job: Job, result=None, comparison=None, error: Optional[BaseException] = None) -> None:
+        """End ``job`` once: show its result, comparison or error, then free the buttons."""
+        with self._lock:
+            if job.finished:
+                return
+            job.finished = True
+        try:
+            if error is not None:
+                self.set_status(f"error: {render.esc(f'{type(error).__name__}: {error}')}", render.RED)
+                errors = _field_errors(error)
+                if errors:
+                    self.on_field_error(errors)
+            elif job.kind == "train":
+                self.result = result
+                self.set_status(render.result_line(result), render.status_color(result))
+                self.notes.value = render.notes_block([(None, result)])
+                self._show_static()
+            else:
+                self.comparison = comparison
+                self.set_status(("stopped" if job.stop.is_set() else "done")
+                                + f" — compared {', '.join(map(str, comparison.results))}", render.GREEN)
+                self.notes.value = render.notes_block(list((getattr(comparison, "results", None) or {}).items()))
+                self._show_comparison(comparison)
+        finally:
+            self.train_button.disabled = False
+            self.compare_button.disabled = False
+            self.stop_button.disabled = True
+            job.done.set()
+
+    def _show_static(self) -> None:
+        # Without a FigureWidget the live view is empty; show the finished figure instead.
+        if self.dashboard is None or self.dashboard.widget is not None:
+            return
+        from ..viz.views import static_bundle
+
+        out = widgets.Output()
+        out.outputs = ({"output_type": "display_data", "data": static_bundle(self.dashboard.figure),
+                        "metadata": {}},)
+        self.dashboard_area.children = (out,)
+
+    def _show_comparison(self, cmp) -> None:
+        table = getattr(cmp, "table", None)
+        if table is None:
+            return
+        self.comparison_table = widgets.HTML(render.table_html(table))
+        self._show_static()
+        self.dashboard_area.children = (*self.dashboard_area.children, self.comparison_table)
+
+
+def _field_errors(error: BaseException) -> list[dict]:
+    """The fields a run's error names: a ConfigError's own list (``field`` "precision", "method", ...),
+    else an error whose message starts with a field name (``DataError("data: ...")``)."""
+    errors = [e for e in (getattr(error, "errors", None) or []) if isinstance(e, dict) and e.get("field")]
+    if errors:
+        return errors
+    field = getattr(error, "field", None) or str(error).split(":", 1)[0].strip()
+    return [{"field": field, "message": str(error)}] if field else []

@@ -1,0 +1,151 @@
+"""What the dashboard says in words: the live status line, the end-of-run summary, a run's notes and advice.
+
+Pure functions of records, run info and results; no plotly, no widgets.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any, Optional
+
+RATE_WINDOW = 20   # steps averaged for tokens/s and ETA in the status line
+_MAX_ADVICE = 3    # the first few changes are the ones that matter; the rest stay in summary["advice"]
+
+
+def _hms(seconds: float) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _batch_text(info: Any, micro_steps: Optional[int]) -> Optional[str]:
+    cfg = getattr(info, "config", None)
+    micro = getattr(cfg, "micro_batch_size", None)
+    accum = getattr(cfg, "grad_accum_steps", None) or micro_steps
+    if micro is None:
+        return f"accum {accum}" if accum else None
+    accum = accum or 1
+    return f"micro {micro} × accum {accum} = {micro * accum}"
+
+
+def status_line(records: list, info: Any = None, total_steps: Optional[int] = None,
+                run: Optional[str] = None) -> str:
+    """One line: step/total, tokens/s, elapsed, ETA, precision, micro × accum = effective batch, method."""
+    last = records[-1] if records else None
+    total = total_steps or getattr(info, "total_steps", None)
+    parts = []
+    if run and run != "run":
+        parts.append(run)
+    step = last.step if last is not None else 0
+    parts.append(f"step {step}/{total}" if total else f"step {step}")
+    recent = records[-RATE_WINDOW:]
+    dts = [r.step_time_s for r in recent if r.step_time_s and math.isfinite(r.step_time_s)]
+    dt = sum(dts)
+    if recent:
+        toks = sum((r.tokens_per_s or 0) * (r.step_time_s or 0) for r in recent
+                   if r.tokens_per_s is not None and math.isfinite(r.tokens_per_s)
+                   and r.step_time_s is not None and math.isfinite(r.step_time_s))
+        if toks > 0 and dt > 0:
+            parts.append(f"{toks / dt:,.0f} tok/s")
+        elif dts:
+            parts.append(f"{dt / len(dts):.2f} s/step")
+    if last is not None:
+        parts.append(f"elapsed {_hms(last.elapsed_s)}")
+        if total and dts:
+            parts.append(f"ETA {_hms(max(0, total - step) * dt / len(dts))}")
+    if info is not None:
+        prec = str(getattr(info, "precision_used", "") or "")
+        if prec:
+            parts.append(prec + (" + GradScaler" if getattr(info, "scaler_enabled", False) else ""))
+    batch = _batch_text(info, last.micro_steps if last is not None else None)
+    if batch:
+        parts.append(batch)
+    method = getattr(getattr(info, "config", None), "method", None)
+    if method:
+        parts.append(str(method))
+    if last is not None and not math.isfinite(last.loss if last.loss is not None else math.nan):
+        parts.append(f"loss {last.loss}")
+    elif last is not None:
+        parts.append(f"loss {last.loss:.4g}")
+    return " · ".join(parts)
+
+
+def summary_text(records: list, evals: list, info: Any = None, result: Any = None,
+                 run: Optional[str] = None) -> str:
+    """The end-of-run line left in the output next to the static figure."""
+    summ = getattr(result, "summary", None) or {}
+    n = len(records)
+    head = f"{run}: " if run and run != "run" else ""
+    if not n:
+        return head + "no steps recorded" + (f" ({summ['stopped_reason']})" if summ.get("stopped_reason") else "")
+    last = records[-1]
+    losses = [r.loss for r in records if r.loss is not None and math.isfinite(r.loss)]
+    parts = [f"{head}{last.step} steps in {_hms(last.elapsed_s)}"]
+    if losses:
+        parts.append(f"final loss {losses[-1]:.4g}")
+    if evals:
+        parts.append(f"eval loss {evals[-1].eval_loss:.4g}")
+    skipped = sum(bool(r.skipped) for r in records)
+    nonfin = sum(bool(r.nonfinite) or not math.isfinite(r.loss if r.loss is not None else math.nan)
+                 for r in records)
+    parts.append(f"{skipped} skipped")
+    parts.append(f"{nonfin} non-finite")
+    peaks = [r.vram_peak_gib for r in records if r.vram_peak_gib is not None]
+    if peaks:
+        parts.append(f"peak VRAM {max(peaks):.2f} GiB")
+    else:
+        rss = [r.host_rss_gib for r in records if r.host_rss_gib is not None]
+        if rss:
+            parts.append(f"host RSS {max(rss):.2f} GiB")
+    tps = summ.get("tokens_per_s")
+    if tps is None:
+        tt = sum((r.tokens_per_s or 0) * (r.step_time_s or 0) for r in records
+                 if r.tokens_per_s is not None and math.isfinite(r.tokens_per_s))
+        st = sum(r.step_time_s or 0 for r in records)
+        tps = tt / st if st > 0 and tt > 0 else None
+    if tps:
+        parts.append(f"{tps:,.0f} tok/s")
+    if info is not None and getattr(info, "precision_used", None):
+        parts.append(str(info.precision_used))
+    if summ.get("stopped_reason"):
+        parts.append(f"stopped: {summ['stopped_reason']}")
+    return " · ".join(parts)
+
+
+def run_notes(result: Any) -> tuple[list[str], list[str]]:
+    """``(notes, advice)`` of a finished run: the engine's ``summary["notes"]`` and, after an out-of-memory
+    stop, the first few changes of ``summary["advice"]`` (with a pointer to the rest)."""
+    summ = getattr(result, "summary", None) or {}
+    notes = [str(n) for n in (summ.get("notes") or [])]
+    advice = [str(a) for a in (summ.get("advice") or [])]
+    if len(advice) > _MAX_ADVICE:
+        advice = advice[:_MAX_ADVICE] + [f"… {len(advice) - _MAX_ADVICE} more in result.summary['advice']"]
+    return notes, advice
+
+
+def notes_text(result: Any, indent: str = "  ") -> str:
+    """The run's notes and advice as indented plain-text lines ("" when it has none)."""
+    notes, advice = run_notes(result)
+    lines = [f"{indent}note: {n}" for n in notes]
+    if advice:
+        lines.append(f"{indent}to fit in memory, try:")
+        lines += [f"{indent}  - {a}" for a in advice]
+    return "\n".join(lines)
+
+
+def notes_html(result: Any) -> str:
+    """The run's notes and advice as a short HTML list ("" when it has none)."""
+    notes, advice = run_notes(result)
+    if not notes and not advice:
+        return ""
+    items = [f"<li>{html.escape(n)}</li>" for n in notes]
+    if advice:
+        items.append("<li><span style='color:#ef6c00'>to fit in memory, try:</span><ul style='margin:0;"
+                     "padding-left:18px'>" + "".join(f"<li>{html.escape(a)}</li>" for a in advice)
+                     + "</ul></li>")
+    return ("<ul style='margin:2px 0;padding-left:18px;color:#555;font-size:0.92em'>"
+            + "".join(items) + "</ul>")
