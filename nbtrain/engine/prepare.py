@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import get_scheduler
 
 from ..config import TrainConfig
 from ..data import DataBundle, collate, load_data, steps_per_epoch
@@ -142,6 +141,10 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=(device == "cuda"))
     per_epoch = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
     total_steps = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
+    # The HF Trainer's own schedules. Imported here: transformers.optimization pulls in peft and bitsandbytes
+    # (~4 s), which `import nbtrain` and a config must not pay.
+    from transformers.optimization import get_scheduler
+
     # transformers' "constant" ignores warm-up; its warm-up variant is the same schedule with it.
     schedule = "constant_with_warmup" if cfg.scheduler == "constant" and cfg.warmup_steps else cfg.scheduler
     scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
