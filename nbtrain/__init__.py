@@ -15,7 +15,7 @@ from .engine import (CallbackError, CheckpointError, EvalRecord, Finding, Run, R
 from .compare import ComparisonResult, compare
 from .hardware import Capabilities, capabilities
 
-from ._version import __version__
+from ._version import __version__  # noqa: F401  (nbtrain.__version__)
 
 _LAZY = {
     "LiveDashboard": ("nbtrain.viz.dashboard", "LiveDashboard"),

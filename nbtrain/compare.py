@@ -103,8 +103,9 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
 
     for o in outcomes:
         try:
-            o.config = base.replace(**o.overrides)
-            check_runnable(o.config)   # a precision or method this device cannot run is a row, not a failure
+            run_cfg = base.replace(**o.overrides)
+            check_runnable(run_cfg)   # a precision or method this device cannot run is a row, not a failure
+            o.config = run_cfg
         except ConfigError as e:
             o.status = "unsupported"
             o.notes.append(_config_reason(e))
@@ -299,7 +300,7 @@ def loss_difference(history: pd.DataFrame, reference: pd.DataFrame) -> tuple[flo
     return float(d.max()), float((d / np.maximum(np.abs(b[ok]), 1e-30)).max())
 
 
-def _num(v) -> float:
+def _float_or_nan(v) -> float:
     return math.nan if v is None else float(v)
 
 
@@ -361,15 +362,15 @@ def _build_table(outcomes: list[_Outcome], reference: str) -> pd.DataFrame:
             "tokens_per_s": tps,
             "tokens_per_s_spread": _spread([t for t, _ in o.timings]),
             "speedup": tps / ref_tps if ref_tps and math.isfinite(ref_tps) else math.nan,
-            "peak_vram_gib": _num(s.get("peak_vram_gib")),
-            "peak_host_rss_gib": _num(s.get("peak_host_rss_gib")),
-            "final_loss": _num(s.get("final_loss")),
-            "eval_loss": _num(s.get("eval_loss")),
+            "peak_vram_gib": _float_or_nan(s.get("peak_vram_gib")),
+            "peak_host_rss_gib": _float_or_nan(s.get("peak_host_rss_gib")),
+            "final_loss": _float_or_nan(s.get("final_loss")),
+            "eval_loss": _float_or_nan(s.get("eval_loss")),
         }
         if causal:
-            row["eval_perplexity"] = _num(s.get("eval_perplexity"))
+            row["eval_perplexity"] = _float_or_nan(s.get("eval_perplexity"))
         if classify:
-            row["eval_accuracy"] = _num(s.get("eval_accuracy"))
+            row["eval_accuracy"] = _float_or_nan(s.get("eval_accuracy"))
         row.update({
             "max_abs_loss_diff": diff_abs,
             "max_rel_loss_diff": diff_rel,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import platform
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from .config import ConfigError, TrainConfig
@@ -82,8 +84,6 @@ def _cpu_flags() -> set[str]:
 def _bitsandbytes_status(device: str) -> tuple[bool, str | None]:
     if importlib.util.find_spec("bitsandbytes") is None:
         return False, "bitsandbytes is not installed (pip install bitsandbytes)"
-    import logging
-
     # Its CPU backend logs a warning about an optional kernels package on import; that is not the user's problem.
     log = logging.getLogger("bitsandbytes")
     level = log.level
@@ -98,8 +98,6 @@ def _bitsandbytes_status(device: str) -> tuple[bool, str | None]:
 
 
 def _host_memory_gib() -> float:
-    import psutil
-
     return psutil.virtual_memory().total / 2**30
 
 

@@ -189,11 +189,11 @@ def test_failing_variants_become_rows_and_others_run(monkeypatch):
 
 
 def test_unsupported_variants_give_the_reason(monkeypatch):
-    import nbtrain.config as config_mod
+    import nbtrain.hardware as hardware
 
     caps = nbt.capabilities()
     no_bnb = dataclasses.replace(caps, reasons={**caps.reasons, "qlora": "bitsandbytes is not installed"})
-    monkeypatch.setattr(config_mod, "capabilities", lambda *a, **k: no_bnb)
+    monkeypatch.setattr(hardware, "capabilities", lambda *a, **k: no_bnb)
     variants = {"fp32": {}, "tf32": dict(precision="tf32"), "qlora": dict(method="qlora")}
     if "tf32" not in caps.reasons:
         variants["tf32"] = dict(precision="tf32", micro_batch_size=0)   # invalid everywhere

@@ -1,8 +1,6 @@
 """The loop's contract: token-correct accumulation, honest telemetry, skip detection, clean stops."""
 
 import math
-import subprocess
-import sys
 import threading
 
 import pytest

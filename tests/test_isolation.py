@@ -60,13 +60,18 @@ FRESH = {
 }
 
 
-# A zygote: a fresh interpreter that imports only torch and the scientific stack (no transformers, no nbtrain)
+# A zygote: a fresh interpreter that imports only torch, the scientific stack and bitsandbytes (no transformers,
+# no nbtrain)
 # and forks one child per case. Each child is a fresh process as far as the race is concerned (transformers is
 # first imported there, on whichever thread gets to it first), runs its script and leaves through a normal
 # interpreter exit (atexit, finalisation of daemon threads); forking saves the ~3 s torch import 30 times.
 ZYGOTE = """
 import json, os, sys
 import numpy, pandas, torch, yaml, pydantic, psutil  # noqa: F401  (nothing here starts a thread)
+try:   # capabilities() probes it; it does not import transformers, so the race stays the children's
+    import bitsandbytes  # noqa: F401
+except Exception:
+    pass
 jobs, out, parallel = json.loads(sys.argv[1]), sys.argv[2], 2
 live, status = {}, {}
 for name, code in jobs:

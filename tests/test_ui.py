@@ -175,14 +175,14 @@ def test_load_yaml_error_is_shown_and_controls_keep_their_values(tmp_path):
 @pytest.fixture
 def fake_caps(monkeypatch):
     """This device, except that bf16 is impossible (so the test does not depend on the hardware)."""
-    import nbtrain.config
+    import nbtrain.hardware
     import nbtrain.ui.panel
 
     real = nbt.capabilities()
     reasons = {**real.reasons, "bf16": "pretend this device has no bf16 at all"}
     caps = dataclasses.replace(real, reasons=reasons, bf16_supported=False, bf16_native=False,
                                allowed_precisions=tuple(p for p in real.allowed_precisions if p != "bf16"))
-    monkeypatch.setattr(nbtrain.config, "capabilities", lambda *a, **k: caps)
+    monkeypatch.setattr(nbtrain.hardware, "capabilities", lambda *a, **k: caps)
     monkeypatch.setattr(nbtrain.ui.panel, "capabilities", lambda *a, **k: caps)
     return caps
 

@@ -443,14 +443,14 @@ def _load_dataset(where: str, *args, quiet: bool = False, **kwargs):
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in many types; all mean "unreadable"
-        raise DataError(f"data: could not read {where}: {_reason(e)}") from None
+        raise DataError(f"data: could not read {where}: {_root_cause(e)}") from None
     finally:
         ds_logger.setLevel(saved_level)
         if not was_disabled:
             enable_progress_bars()
 
 
-def _reason(e: BaseException) -> str:
+def _root_cause(e: BaseException) -> str:
     chain: list[BaseException] = []
     cur: BaseException | None = e
     while cur is not None and len(chain) < 8:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import pandas as pd
 import torch
 
 from ..hardware import capabilities, resolve_precision
@@ -50,8 +51,6 @@ def _advice(cfg, *, scaler: bool) -> list[str]:
 
 def diagnose(history, summary: dict, cfg=None) -> list[Finding]:
     """Read a run's history and summary and return what went wrong with precision, and what to try."""
-    import pandas as pd
-
     h = history if isinstance(history, pd.DataFrame) else pd.DataFrame([r.to_dict() for r in history])
     found: list[Finding] = []
     if h.empty:

@@ -14,7 +14,9 @@ import torch
 
 from ..config import TrainConfig
 from ..memory import oom_advice
+from ..models import save_model
 from .callbacks import CallbackError, StopTraining
+from .doctor import diagnose
 from .evaluate import evaluate
 from .prepare import RunState, uncompile
 from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
@@ -119,14 +121,10 @@ class TrainResult:
 
     def save(self, path, merged: bool = False) -> Path:
         """Write what a user would share: adapter (or full model), tokenizer and nbtrain.yaml."""
-        from ..models import save_model
-
         return save_model(self.model, self.tokenizer, self.config, path, merged=merged)
 
     def diagnose(self):
         """Findings about precision trouble (overflow, nan, spikes, a stuck scale) with evidence and advice."""
-        from .doctor import diagnose
-
         return diagnose(self.history, self.summary, self.config)
 
     def __repr__(self) -> str:

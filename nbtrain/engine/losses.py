@@ -95,9 +95,9 @@ def _fused_chunks(h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, ne
         b = bias.to(cdtype) if bias is not None else None
         hc = h.to(cdtype)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
-        gh = torch.empty_like(h) if need_h else None
-        gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        gb = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        grad_hidden = torch.empty_like(h) if need_h else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         fast = compiled and cdtype in (torch.bfloat16, torch.float16) and not need_b and (need_h or need_w)
         for s in range(0, y.numel(), chunk_tokens):
             hs, ys = hc[s:s + chunk_tokens], y[s:s + chunk_tokens]
@@ -105,24 +105,24 @@ def _fused_chunks(h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, ne
                 loss, g = _compiled_ce()(F.linear(hs, w, b), ys)
             else:
                 loss, g = _eager_ce_and_grad(F.linear(hs, w, b).float(), ys, cdtype, need_h or need_w or need_b,
-                                             gb)
+                                             grad_bias)
             total += loss
             if g is None:
                 continue
             if need_h:
-                gh[s:s + chunk_tokens] = g @ w
+                grad_hidden[s:s + chunk_tokens] = g @ w
             if need_w:
-                if gw.dtype == g.dtype:
-                    gw.addmm_(g.t(), hs)
+                if grad_weight.dtype == g.dtype:
+                    grad_weight.addmm_(g.t(), hs)
                 else:   # the chunk's bf16 weight gradient, summed in fp32
-                    gw += g.t() @ hs
+                    grad_weight += g.t() @ hs
             del g
-    return total, gh, gw, gb
+    return total, grad_hidden, grad_weight, grad_bias
 
 
-def _eager_ce_and_grad(logits, ys, cdtype, need_grad: bool, gb):
+def _eager_ce_and_grad(logits, ys, cdtype, need_grad: bool, grad_bias):
     """The eager chunk: the loss of its fp32 ``logits`` and (when wanted) their gradient in ``cdtype``, built in
-    place in the logits' storage; the bias gradient, from the fp32 gradient, is added to ``gb``."""
+    place in the logits' storage; the bias gradient, from the fp32 gradient, is added to ``grad_bias``."""
     lse = torch.logsumexp(logits, dim=-1)
     loss = (lse - logits.gather(1, ys[:, None]).squeeze(1)).sum()
     if not need_grad:
@@ -130,8 +130,8 @@ def _eager_ce_and_grad(logits, ys, cdtype, need_grad: bool, gb):
     # d(sum CE)/d logits = softmax - onehot, built in place in the fp32 logits' storage
     g = logits.sub_(lse[:, None]).exp_()
     g[torch.arange(ys.numel(), device=g.device), ys] -= 1.0
-    if gb is not None:
-        gb += g.sum(0)
+    if grad_bias is not None:
+        grad_bias += g.sum(0)
     return loss, g.to(cdtype)
 
 
@@ -140,10 +140,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, y, chunk_tokens: int, cdtype: torch.dtype, compiled: bool):
-        total, gh, gw, gb = _fused_chunks(h, weight, bias, y, chunk_tokens, cdtype, *ctx.needs_input_grad[:3],
+        total, grad_hidden, grad_weight, grad_bias = _fused_chunks(h, weight, bias, y, chunk_tokens, cdtype, *ctx.needs_input_grad[:3],
                                           compiled=compiled)
         ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        ctx.save_for_backward(gh, gw, gb)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return total
 
     @staticmethod

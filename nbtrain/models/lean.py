@@ -107,9 +107,9 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, gy):
         x, w, r = ctx.saved_tensors
         xf = x.to(torch.float32)
-        g_prod = g_sq = gw = None
+        g_prod = g_sq = grad_weight = None
         if ctx.needs_input_grad[2]:
-            gw = (gy * (xf * r).to(x.dtype)).sum_to_size(w.shape).to(w.dtype)
+            grad_weight = (gy * (xf * r).to(x.dtype)).sum_to_size(w.shape).to(w.dtype)
         if ctx.needs_input_grad[0]:
             # eager autograd's formulas, in its order: mul, rsqrt (-0.5 * grad * result^3), mean, pow
             gn = (gy * w).to(x.dtype).to(torch.float32)
@@ -119,7 +119,7 @@ class _RMSNorm(torch.autograd.Function):
             g_sq = gsq * (2.0 * xf)
             if x.dtype != torch.float32:   # eager sums the two in fp32, then casts once
                 g_prod, g_sq = (g_prod + g_sq).to(x.dtype), None
-        return g_prod, g_sq, gw, None
+        return g_prod, g_sq, grad_weight, None
 
 
 def _norm_forward(self, hidden_states):

@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
+
 SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 SPECIAL_ORDER = ("unk_token", "bos_token", "eos_token", "pad_token")   # their ids: 0, 1, 2, 3
 
@@ -112,7 +114,6 @@ def preset_tokenizer(name: str = "tiny"):
 
 def build_preset_model(name: str, tokenizer, task: str, num_labels: int | None = None):
     """Preset ``name`` with random init from the global torch RNG (seed before calling), in fp32 on CPU."""
-    import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     config = PRESETS[name].make_config(tokenizer, task, num_labels)

@@ -89,12 +89,12 @@ def method_info_html(method: str, hint: str, why: Optional[str]) -> str:
 
 
 # -- results ------------------------------------------------------------------------------------
-def _reason(result) -> Optional[str]:
+def _stopped_reason(result) -> Optional[str]:
     return (getattr(result, "summary", None) or {}).get("stopped_reason")
 
 
 def status_color(result) -> str:
-    reason = _reason(result)
+    reason = _stopped_reason(result)
     if reason in ("max_steps", "epochs"):
         return GREEN
     return AMBER if reason in ("stopped", "interrupted") else RED
@@ -103,7 +103,7 @@ def status_color(result) -> str:
 def result_line(result) -> str:
     """The status line of a finished Train: how it ended, steps, losses, speed, precision."""
     s = getattr(result, "summary", None) or {}
-    reason = _reason(result)
+    reason = _stopped_reason(result)
     loss = s.get("final_loss")
     bits = [f"{s.get('steps', 0)} steps"]
     if loss is not None:
