@@ -5,12 +5,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 
-from nbtrain.config import TrainConfig
 from nbtrain.engine import threads
 
 ipywidgets = pytest.importorskip("ipywidgets")
@@ -20,9 +18,7 @@ from nbtrain.ui import render  # noqa: E402
 from nbtrain.ui.panel import Panel  # noqa: E402
 from nbtrain.viz import dashboard as D  # noqa: E402
 
-SMALL = {"model": "tiny", "data": "builtin:python-docs", "subset": 48, "max_seq_len": 32, "micro_batch_size": 4,
-         "eval_fraction": 0.0, "precision": "fp32", "lr": 1e-3}
-TIMEOUT = 240  # generous: two shared CPU cores
+from .test_ui import SMALL, TIMEOUT, small, wait_for  # noqa: E402,F401  (the panel tests' small config and wait)
 
 NOTES = ["out of memory at step 3: OutOfMemoryError: CUDA out of memory <tried 2 GiB>",
          "lean_layers: 2 MLPs keep less for backward"]
@@ -31,19 +27,6 @@ ADVICE = ["micro_batch_size=2 with grad_accum_steps=4: same effective batch, hal
           "method='lora': no gradients or optimizer state for the base",
           "precision='bf16': half the activation memory",
           "max_seq_len=64: shorter rows"]
-
-
-def small(**kw) -> TrainConfig:
-    return TrainConfig(**{**SMALL, **kw})
-
-
-def wait_for(pred, timeout=TIMEOUT, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def oom_result():
