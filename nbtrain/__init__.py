@@ -4,6 +4,10 @@ The UI pieces (``Panel``, ``LiveDashboard``) are resolved lazily so that ``impor
 ipywidgets, plotly or IPython (DESIGN rule 1).
 """
 
+from ._logs import quiet_library_logs as _quiet_library_logs
+
+_quiet_library_logs()   # before anything below can import bitsandbytes
+
 # transformers replaces itself in sys.modules at the end of its import; completed here, on the thread that
 # imports nbtrain, so that a later first use from a background thread (a run, a comparison in the user's own
 # thread) cannot hand another thread a half-built module.

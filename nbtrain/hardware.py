@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
 import platform
 from dataclasses import dataclass, field
 
@@ -84,16 +83,11 @@ def _cpu_flags() -> set[str]:
 def _bitsandbytes_status(device: str) -> tuple[bool, str | None]:
     if importlib.util.find_spec("bitsandbytes") is None:
         return False, "bitsandbytes is not installed (pip install bitsandbytes)"
-    # Its CPU backend logs a warning about an optional kernels package on import; that is not the user's problem.
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    # Its CPU backend's import-time note about an optional Hub kernel is dropped by nbtrain._logs.
     try:
         import bitsandbytes  # noqa: F401
     except Exception as e:  # a broken native library raises all sorts of errors
         return False, f"bitsandbytes does not load here: {type(e).__name__}: {e}"
-    finally:
-        log.setLevel(level)
     return True, None
 
 

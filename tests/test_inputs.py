@@ -249,3 +249,33 @@ def test_string_labels_name_the_classifier_outputs(tmp_path):
     assert result.model.config.label2id == {"neg": 0, "pos": 1}
     again = AutoModelForSequenceClassification.from_pretrained(result.save(tmp_path / "saved"))
     assert again.config.id2label == {0: "neg", 1: "pos"}
+
+
+def test_bitsandbytes_import_note_about_hub_kernels_is_dropped(caplog):
+    """bitsandbytes' CPU backend logs, at import on AVX512-BF16 CPUs, that a Hub kernel could not be loaded;
+    nbtrain drops that one line (notebook 06 showed it in red) and nothing else from that logger."""
+    import logging
+
+    import nbtrain  # noqa: F401  (installs the filter)
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes.backends.cpu.ops"):
+        log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "offline")
+        log.warning("something else went wrong")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["something else went wrong"]
+
+
+def test_lora_memory_estimate_raises_no_future_warning():
+    """estimate_memory() of a LoRA config builds a peft model on the meta device; peft reads a transformers
+    attribute deprecated in 5.x, whose FutureWarning showed as a red box in notebook 05."""
+    import warnings
+
+    import nbtrain as nbt
+    from nbtrain.memory import facts
+
+    facts._adapters.cache_clear()   # an earlier test may have counted these adapters already
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        est = nbt.estimate_memory(nbt.TrainConfig(model="tiny", method="lora", lora_r=4, max_seq_len=32))
+    assert 0 < est.trainable_params < est.total_params

@@ -81,6 +81,11 @@ def test_notebook_executes(path):
         nbformat.write(nb, ARTIFACTS / path.name)
     print(f"{path.name}: {time.monotonic() - start:.0f} s")
     assert not any(o.get("output_type") == "error" for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    # A tutorial shows no red stderr box: library warnings and log lines that are not the reader's business
+    # are dealt with in nbtrain, and the notebook's own code raises none.
+    stderr = [(i, o.get("text", "")[:300]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              for o in c.outputs if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+    assert not stderr, f"{path.name}: stderr output in cells {stderr}"
 
 
 # The claim flipped in the negative test: it must exist, exactly once, in the notebook.

@@ -17,7 +17,7 @@ import torch
 
 from ..config import TrainConfig
 from ..models.loading import head_module_names, meta_model
-from ..models.methods import lora_config
+from ..models.methods import lora_config, quiet_peft
 
 NF4_BLOCK = 64                       # bitsandbytes' 4-bit block size
 NF4_SECOND_BLOCK = 256               # block size of the double-quantised absmax
@@ -167,7 +167,8 @@ def _adapters(model: str, task: str, num_labels: int, stamp: Optional[float], lo
     m = _meta_model(model, task, num_labels)
     for p in m.parameters():
         p.requires_grad_(False)
-    pm = get_peft_model(m, lora_config(cfg, m, task))
+    with quiet_peft():
+        pm = get_peft_model(m, lora_config(cfg, m, task))
     prefix = "base_model.model."
     adapted, others, n_tensors = {}, {}, 0
     lora_modules = {n for n, mod in pm.named_modules() if isinstance(mod, LoraLayer)}
