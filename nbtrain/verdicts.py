@@ -1,0 +1,220 @@
+"""A/B answers with their noise: per-step differences to the reference, the seed-noise band, speed ratios with
+their spread, and one verdict line per variant.
+
+Pure functions of histories and timings (no runs, no drawing), so that every number a verdict states can be
+recomputed from the result object that holds them (``ComparisonResult.verdicts``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+# Differences are of losses of a few nats, computed in float64: a band edge is compared with this much slack
+# so that a difference equal to a seed run's is "inside", not outside by a rounding error.
+EDGE_TOL = 1e-9
+
+
+def _series(history: Any, column: str = "loss") -> pd.Series:
+    """``column`` of a history (DataFrame with a ``step`` column) indexed by step, as floats."""
+    if history is None or len(history) == 0 or column not in history:
+        return pd.Series([], dtype=float, name=column)
+    s = pd.Series(pd.to_numeric(history[column], errors="coerce").to_numpy(dtype=float),
+                  index=pd.Index(history["step"].to_numpy(dtype=np.int64), name="step"), name=column)
+    return s[~s.index.duplicated(keep="last")]
+
+
+def differences(histories: Mapping[str, Any], reference: str, column: str = "loss") -> pd.DataFrame:
+    """Per step, each variant's ``column`` minus the reference's (a column per variant, the reference's all 0).
+
+    Only steps the reference recorded appear; a variant without that step (it stopped earlier) has NaN there.
+    Works for the eval history too (``column="eval_loss"`` or ``"eval_accuracy"``).
+    """
+    if reference not in histories:
+        raise KeyError(f"reference: {reference!r} is not one of the runs {sorted(histories)}")
+    ref = _series(histories[reference], column)
+    out = {name: _series(h, column).reindex(ref.index) - ref for name, h in histories.items()}
+    return pd.DataFrame(out, index=ref.index)
+
+
+@dataclass
+class SeedBand:
+    """The seed-to-seed noise of the reference: ``runs`` holds, per extra seed, its loss minus the reference
+    run's loss at each step; ``width`` is the band's half-width, the largest of their absolute values."""
+
+    reference_seed: int
+    seeds: tuple[int, ...]
+    runs: pd.DataFrame            # index step, one column per extra seed
+    width: pd.Series              # index step
+
+    def contains(self, diff: pd.Series) -> pd.Series:
+        """Per common step, whether ``diff`` lies inside the band (NaN steps count as inside)."""
+        w = self.width.reindex(diff.index)
+        return ~(diff.abs() > w + EDGE_TOL)
+
+
+def seed_band(reference_history: Any, seed_histories: Mapping[int, Any], reference_seed: int,
+              column: str = "loss") -> Optional[SeedBand]:
+    """The band of ``column`` differences between the reference run and the same variant under other seeds
+    (other initial weights and data order), on the steps all of them recorded; None without extra seeds."""
+    if not seed_histories:
+        return None
+    ref = _series(reference_history, column)
+    runs = pd.DataFrame({int(s): _series(h, column).reindex(ref.index) - ref for s, h in seed_histories.items()},
+                        index=ref.index).dropna()
+    return SeedBand(int(reference_seed), tuple(int(s) for s in seed_histories), runs,
+                    runs.abs().max(axis=1).rename("width"))
+
+
+def leaves_band(diff: pd.Series, band: SeedBand) -> Optional[int]:
+    """The first step at which ``diff`` is outside the band (|diff| > width), or None if it never is."""
+    w = band.width
+    d = diff.reindex(w.index)
+    out = d.abs() > w + EDGE_TOL
+    steps = out[out.fillna(False)].index
+    return int(steps[0]) if len(steps) else None
+
+
+@dataclass
+class Speed:
+    """Throughput of a variant relative to the reference: the median of the paired per-repeat ratios and
+    their range. ``n`` repeats; with one the spread is unknown (``low``/``high`` equal the ratio)."""
+
+    ratio: float
+    low: float
+    high: float
+    n: int
+
+    @property
+    def spread(self) -> float:
+        """Half the range of the per-repeat ratios (NaN with one repeat)."""
+        return (self.high - self.low) / 2 if self.n > 1 else math.nan
+
+    @property
+    def measurable(self) -> bool:
+        """True when every repeat orders the two the same way (the whole range is above or below 1)."""
+        return self.n > 1 and (self.low > 1.0 or self.high < 1.0)
+
+
+def speed(timings: Sequence[float], reference_timings: Sequence[float]) -> Optional[Speed]:
+    """Tokens/s of a variant over the reference's, paired by repeat (repeat r of each ran interleaved, under
+    the same machine conditions); None when either has no finite timing."""
+    pairs = [(a, b) for a, b in zip(timings, reference_timings)
+             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and b > 0]
+    if not pairs:
+        return None
+    ratios = [a / b for a, b in pairs]
+    return Speed(statistics.median(ratios), min(ratios), max(ratios), len(ratios))
+
+
+@dataclass
+class Verdict:
+    """One variant's answer, every number taken from the comparison's own records."""
+
+    variant: str
+    reference: str
+    is_reference: bool = False
+    ran: bool = True
+    speed: Optional[Speed] = None
+    max_abs_diff: float = math.nan          # max |loss - reference loss| over the common steps
+    within_noise: Optional[bool] = None     # None without a seed band
+    leaves_band_at: Optional[int] = None    # first step outside the band
+    skipped_steps: int = 0
+    nonfinite_steps: int = 0
+    scale_first: Optional[float] = None
+    scale_last: Optional[float] = None
+    scale_min: Optional[float] = None
+    eval_diff: Optional[tuple[str, float]] = None   # ("eval_loss" | "eval_accuracy", variant - reference)
+    stopped_reason: Optional[str] = None
+    parts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The verdict line, e.g. "bf16: 1.6x faster (±0.1), loss within seed noise at every step, 0 skipped"."""
+        return f"{self.variant}: " + ", ".join(self.parts)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _int_or_zero(v: Any) -> int:
+    try:
+        return 0 if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _scale_text(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1 else f"{v:.3g}"
+
+
+def _speed_text(s: Optional[Speed], reference: str) -> str:
+    if s is None:
+        return "speed not measured"
+    if s.n == 1:
+        return f"{s.ratio:.2f}x the speed of {reference} (one timing, spread unknown: use repeats=3)"
+    if not s.measurable:
+        return f"no measurable speed difference ({s.ratio:.2f}x, ±{s.spread:.2f})"
+    if s.ratio >= 1:
+        return f"{s.ratio:.2f}x faster (±{s.spread:.2f})"
+    return f"{1 / s.ratio:.2f}x slower (±{s.spread / s.ratio ** 2:.2f})"
+
+
+def verdict(name: str, reference: str, history: Any, reference_history: Any, summary: Mapping[str, Any],
+            *, timings: Sequence[float] = (), reference_timings: Sequence[float] = (),
+            band: Optional[SeedBand] = None, eval_history: Any = None,
+            reference_eval_history: Any = None, scaler: Optional[bool] = None) -> Verdict:
+    """The verdict of one variant that ran, against the reference run (and the seed band when given)."""
+    v = Verdict(name, reference, is_reference=(name == reference))
+    v.stopped_reason = summary.get("stopped_reason")
+    v.skipped_steps = _int_or_zero(summary.get("skipped_steps"))
+    v.nonfinite_steps = _int_or_zero(summary.get("nonfinite_steps"))
+    scales = _series(history, "scale").dropna() if history is not None and "scale" in history else pd.Series([], dtype=float)
+    if len(scales):
+        v.scale_first, v.scale_last, v.scale_min = float(scales.iloc[0]), float(scales.iloc[-1]), float(scales.min())
+    if v.is_reference:
+        v.parts.append("the reference" + (f" (seed noise from seeds {', '.join(map(str, band.seeds))})"
+                                          if band is not None else ""))
+    else:
+        v.speed = speed(timings, reference_timings)
+        v.parts.append(_speed_text(v.speed, reference))
+        diff = differences({reference: reference_history, name: history}, reference)[name]
+        finite = diff[np.isfinite(diff)]
+        v.max_abs_diff = float(finite.abs().max()) if len(finite) else math.nan
+        if band is not None:
+            v.leaves_band_at = leaves_band(diff, band)
+            v.within_noise = v.leaves_band_at is None
+            v.parts.append("loss within seed noise at every step" if v.within_noise
+                           else f"loss leaves the noise band at step {v.leaves_band_at}")
+        elif math.isfinite(v.max_abs_diff):
+            v.parts.append(f"loss differs from {reference} by at most {v.max_abs_diff:.2g} "
+                           "(no seed band to judge it: seeds=(0, 1, 2))")
+        for col in ("eval_accuracy", "eval_loss"):
+            ev = differences({reference: reference_eval_history, name: eval_history}, reference, col)[name] \
+                if eval_history is not None and reference_eval_history is not None else pd.Series([], dtype=float)
+            ev = ev.dropna()
+            if len(ev):
+                v.eval_diff = (col, float(ev.iloc[-1]))
+                v.parts.append(f"{col.replace('_', ' ')} {ev.iloc[-1]:+.3g} vs {reference}")
+                break
+    if scaler or v.scale_first is not None:
+        drop = (f" (scale {_scale_text(v.scale_first)} → {_scale_text(v.scale_min)})"
+                if v.scale_first is not None and v.scale_min is not None and v.scale_min < v.scale_first else "")
+        v.parts.append(f"{v.skipped_steps} skipped step{'s' if v.skipped_steps != 1 else ''}{drop}")
+    elif v.skipped_steps:
+        v.parts.append(f"{v.skipped_steps} skipped step{'s' if v.skipped_steps != 1 else ''}")
+    if v.nonfinite_steps and v.nonfinite_steps != v.skipped_steps:
+        v.parts.append(f"{v.nonfinite_steps} non-finite step{'s' if v.nonfinite_steps != 1 else ''}")
+    if v.stopped_reason not in (None, "max_steps", "epochs"):
+        v.parts.append(f"ended: {v.stopped_reason}")
+    return v
+
+
+def not_run_verdict(name: str, reference: str, why: str) -> Verdict:
+    """The verdict of a variant that did not run (unsupported here, failed, or cut before its first step)."""
+    return Verdict(name, reference, ran=False, parts=[f"not run ({why})" if why else "not run"])

@@ -1,0 +1,96 @@
+"""nbtrain.verdicts on hand-made histories: every number a verdict states is recomputed here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from nbtrain import verdicts as V
+
+
+def hist(loss, scale=None, start=1):
+    steps = np.arange(start, start + len(loss))
+    return pd.DataFrame({"step": steps, "loss": loss,
+                         "scale": scale if scale is not None else [None] * len(loss)})
+
+
+def test_differences_are_exact_per_step_and_nan_where_a_run_stopped():
+    ref = hist([5.0, 4.0, 3.0, 2.5])
+    short = hist([5.5, 4.25])
+    d = V.differences({"a": ref, "b": short}, "a")
+    assert list(d.index) == [1, 2, 3, 4]
+    assert d["a"].tolist() == [0.0] * 4
+    assert d["b"].iloc[:2].tolist() == [0.5, 0.25] and d["b"].iloc[2:].isna().all()
+    with pytest.raises(KeyError, match="reference: 'zz'"):
+        V.differences({"a": ref}, "zz")
+
+
+def test_seed_band_is_the_recorded_seed_differences_and_its_envelope():
+    ref = hist([5.0, 4.0, 3.0])
+    band = V.seed_band(ref, {1: hist([5.1, 3.9, 3.05]), 2: hist([4.8, 4.05, 3.0])}, reference_seed=0)
+    assert band.seeds == (1, 2) and band.reference_seed == 0
+    np.testing.assert_allclose(band.runs[1], [0.1, -0.1, 0.05], atol=1e-12)
+    np.testing.assert_allclose(band.runs[2], [-0.2, 0.05, 0.0], atol=1e-12)
+    np.testing.assert_allclose(band.width, [0.2, 0.1, 0.05], atol=1e-12)
+    assert V.seed_band(ref, {}, 0) is None
+
+
+def test_leaves_band_names_the_first_step_outside():
+    ref = hist([5.0, 4.0, 3.0, 2.0])
+    band = V.seed_band(ref, {1: hist([5.1, 4.1, 3.1, 2.1])}, 0)
+    assert V.leaves_band(pd.Series([0.05, -0.1, 0.09, 0.0], index=[1, 2, 3, 4]), band) is None   # edge: inside
+    assert V.leaves_band(pd.Series([0.0, 0.05, 0.2, 0.0], index=[1, 2, 3, 4]), band) == 3
+
+
+def test_speed_ratio_pairs_repeats_and_says_when_it_is_noise():
+    s = V.speed([160, 150, 170], [100, 100, 100])
+    assert s.ratio == pytest.approx(1.6) and (s.low, s.high, s.n) == (1.5, 1.7, 3)
+    assert s.spread == pytest.approx(0.1) and s.measurable
+    flat = V.speed([105, 95, 101], [100, 100, 100])
+    assert not flat.measurable   # the repeats disagree on the order
+    one = V.speed([150], [100])
+    assert one.n == 1 and math.isnan(one.spread) and not one.measurable
+    assert V.speed([], []) is None and V.speed([float("nan")], [100]) is None
+
+
+def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
+    ref = hist([5.0, 4.0, 3.0, 2.0])
+    band = V.seed_band(ref, {1: hist([5.1, 4.1, 3.1, 2.1]), 2: hist([4.95, 3.95, 2.95, 1.95])}, 0)
+    good = V.verdict("bf16", "fp32", hist([5.0, 4.02, 3.01, 2.05]), ref,
+                     {"skipped_steps": 0, "nonfinite_steps": 0, "stopped_reason": "max_steps"},
+                     timings=[160, 150, 170], reference_timings=[100, 100, 100], band=band)
+    assert good.within_noise and good.leaves_band_at is None
+    assert good.max_abs_diff == pytest.approx(0.05)
+    assert good.text == "bf16: 1.60x faster (±0.10), loss within seed noise at every step"
+
+    fp16 = hist([5.0, 5.0, 5.0, 3.5], scale=[65536.0, 32768.0, 16384.0, 8192.0])
+    bad = V.verdict("fp16", "fp32", fp16, ref,
+                    {"skipped_steps": 3, "nonfinite_steps": 3, "stopped_reason": "max_steps"},
+                    timings=[105, 95, 101], reference_timings=[100, 100, 100], band=band, scaler=True)
+    assert bad.leaves_band_at == 2 and bad.within_noise is False
+    assert (bad.scale_first, bad.scale_min) == (65536.0, 8192.0)
+    assert bad.text == ("fp16: no measurable speed difference (1.01x, ±0.05), loss leaves the noise band at "
+                        "step 2, 3 skipped steps (scale 65,536 → 8,192)")
+
+    ref_v = V.verdict("fp32", "fp32", ref, ref, {"skipped_steps": 0}, band=band)
+    assert ref_v.is_reference and ref_v.text == "fp32: the reference (seed noise from seeds 1, 2)"
+
+
+def test_verdict_without_a_band_says_how_to_get_one_and_never_ranks_one_timing():
+    ref = hist([5.0, 4.0])
+    v = V.verdict("bf16", "fp32", hist([5.0, 4.0001]), ref, {"skipped_steps": 0},
+                  timings=[130], reference_timings=[100])
+    assert v.within_noise is None
+    assert "one timing, spread unknown" in v.text and "faster" not in v.text
+    assert "at most 0.0001" in v.text and "seeds=(0, 1, 2)" in v.text
+
+
+def test_eval_difference_is_in_the_verdict():
+    ref = hist([5.0, 4.0])
+    ev_ref = pd.DataFrame({"step": [2], "eval_loss": [4.5], "eval_accuracy": [0.5]})
+    ev = pd.DataFrame({"step": [2], "eval_loss": [4.4], "eval_accuracy": [0.75]})
+    v = V.verdict("lora", "full", hist([5.0, 3.9]), ref, {}, eval_history=ev, reference_eval_history=ev_ref)
+    assert v.eval_diff == ("eval_accuracy", 0.25) and "eval accuracy +0.25 vs full" in v.text
