@@ -25,10 +25,15 @@ from pydantic import (
 )
 
 Precision = Literal["auto", "fp32", "tf32", "fp16", "bf16"]
-Task = Literal["causal-lm", "sequence-classification"]
+Task = Literal["causal-lm", "sequence-classification", "image-classification"]
+# builtin datasets of images; every other builtin is text (nbtrain.data.builtin lists them all)
+IMAGE_BUILTINS = ("builtin:digits",)
 Method = Literal["full", "lora", "qlora"]
 Scheduler = Literal["constant", "linear", "cosine"]
 NonFinitePolicy = Literal["skip", "stop", "continue"]
+# experiment trackers report_to can name (nbtrain.integrations.trackers has one callback for each)
+Tracker = Literal["tensorboard", "trackio", "mlflow", "wandb"]
+TRACKERS: tuple[str, ...] = get_args(Tracker)
 
 
 class ConfigError(ValueError):
@@ -66,11 +71,14 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
     model: str = Field("tiny", description="preset name ('tiny'), a Hugging Face model id, or a local directory")
-    task: Task = Field("causal-lm", description="next-token prediction, or one label per example")
+    task: Task = Field("causal-lm", description="next-token prediction, one label per text, or one label per "
+                                                "image")
     data: str = Field("builtin:python-docs", description="builtin:<name>, a local file or directory (txt, csv, "
                       "json/jsonl, parquet), or a dataset id")
     text_column: str = Field("text", description="column with the text (files and dataset ids)")
     label_column: str = Field("label", description="column with the class label (classification only)")
+    image_column: str = Field("image", description="column with the image (image classification from a dataset "
+                                                   "id; an image folder's class subfolders give the labels)")
     max_seq_len: int = Field(128, ge=8, le=131072,
                              description="tokens per example; longer ones are cut (a.k.a. cutoff_len)")
     subset: Optional[int] = Field(None, ge=1, description="first N examples only (before the eval split); "
@@ -123,6 +131,12 @@ class TrainConfig(BaseModel):
                                                               "history) every N steps into output_dir")
     resume_from: Optional[str] = Field(None, description="a checkpoint directory, or output_dir: continue that run "
                                                          "exactly")
+    report_to: list[Tracker] = Field(
+        [], description="log every step's record, the evals and the config to: tensorboard (output_dir/tensorboard, "
+                        "else runs/<time>_<name>), trackio (its local store; trackio show), mlflow "
+                        "(MLFLOW_TRACKING_URI, else mlflow's default store in the working folder), wandb (W&B; "
+                        "files in output_dir/wandb; WANDB_MODE=offline keeps them local); each needs its package: "
+                        "pip install 'nbtrain[trackers]'; blank = none")
 
     def __init__(self, **data: Any):
         try:
@@ -157,7 +171,7 @@ class TrainConfig(BaseModel):
             raise ValueError("must be a directory path or None, not an empty string")
         return v
 
-    @field_validator("model", "data", "text_column", "label_column")
+    @field_validator("model", "data", "text_column", "label_column", "image_column")
     @classmethod
     def _not_blank(cls, v: str) -> str:
         if not isinstance(v, str) or not v.strip():
@@ -182,6 +196,22 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be 'all-linear' or a non-empty list of module names, got {v!r}")
         return [t.strip() for t in v]
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers(cls, v):
+        # "tensorboard,mlflow" (the CLI's --set, a text box), a list or a tuple; None or "none" = no tracker
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none")):
+            return []
+        items = v.split(",") if isinstance(v, str) else v
+        if not isinstance(items, (list, tuple)) or not all(isinstance(t, str) for t in items):
+            raise ValueError(f"must be tracker names ({', '.join(TRACKERS)}), a list of them or none; got {v!r}")
+        names = [t.strip().lower() for t in items if t.strip()]
+        unknown = [t for t in names if t not in TRACKERS]
+        if unknown:
+            raise ValueError(f"unknown tracker {', '.join(map(repr, unknown))}; choose from {', '.join(TRACKERS)} "
+                             f"(or none), got {v!r}")
+        return list(dict.fromkeys(names))   # each once, in the order given
+
     @field_validator("quant_bits")
     @classmethod
     def _bits(cls, v: int) -> int:
@@ -200,6 +230,14 @@ class TrainConfig(BaseModel):
         if self.chunked_loss and self.task != "causal-lm":
             raise ValueError("chunked_loss: True only applies to task='causal-lm' (a classifier has no vocab-sized "
                              "logits)")
+        images = self.task == "image-classification"
+        if self.data in IMAGE_BUILTINS and not images:
+            raise ValueError(f"data: {self.data!r} holds images; set task='image-classification' (or use a text "
+                             f"dataset such as 'builtin:python-docs' for task={self.task!r})")
+        if images and self.data.startswith("builtin:") and self.data not in IMAGE_BUILTINS:
+            raise ValueError(f"data: {self.data!r} holds text, not images; task='image-classification' needs "
+                             f"{' or '.join(map(repr, IMAGE_BUILTINS))}, a folder of class subfolders of images, "
+                             "or a dataset id with an image column")
         if self.save_every and not self.output_dir:
             raise ValueError(f"save_every: {self.save_every} needs output_dir to be set (checkpoints go to "
                              "output_dir/checkpoints)")

@@ -424,3 +424,16 @@ def test_nbtrain_only_speed_and_memory_options_are_noted():
         assert set(ex.NBTRAIN_ONLY) <= set(notes), export.__name__
         assert "lean_layers=True is an nbtrain speed/memory option" in notes["lean_layers"]
     assert not set(ex.NBTRAIN_ONLY) & set(ex.llamafactory_config(nbt.TrainConfig(output_dir="runs/x"))[1])
+
+
+def test_training_args_for_an_image_classifier_keep_the_head_and_the_image_column():
+    """QLoRA of an image classifier leaves its head unquantised, as nbtrain's own run does, and the Trainer
+    keeps the image column for the transform that makes pixel values."""
+    import nbtrain as nbt
+    from nbtrain.integrations.exports.training_args import peft_and_quant_configs, training_arguments_kwargs
+
+    cfg = nbt.TrainConfig(model="tiny-vit", task="image-classification", data="builtin:digits", method="qlora")
+    assert training_arguments_kwargs(cfg)["remove_unused_columns"] is False
+    lcfg, qcfg = peft_and_quant_configs(cfg)
+    assert qcfg.llm_int8_skip_modules and "classifier" in qcfg.llm_int8_skip_modules
+    assert lcfg.task_type is None

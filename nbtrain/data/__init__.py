@@ -1,16 +1,29 @@
-"""Data: builtin corpora, local files and dataset ids -> tokenized examples -> optimizer steps.
+"""Data: builtin corpora, local files and dataset ids -> tokenized examples (or preprocessed images) -> steps.
 
 ``load_data(cfg, tokenizer)`` gives a ``DataBundle``; ``iter_steps(bundle.train, ...)`` turns its
 examples into the micro-batches of each optimizer step. Nothing here imports widgets or plots.
 """
 
-from .batching import MicroBatch, collate, epoch_order, iter_steps, steps_per_epoch
+from .batching import ImageBatch, MicroBatch, collate, epoch_order, iter_steps, steps_per_epoch
 from .builtin import BUILTINS, builtin_label_names, builtin_names, builtin_rows, builtin_texts
-from .bundle import DataBundle, DataError
-from .loading import FILE_FORMATS, load_data, pack, split_indices
+from .bundle import IMAGE_EXTS, DataBundle, DataError
+from .images import TorchImageProcessor, digits_images, load_image_data
+from .loading import FILE_FORMATS, pack, split_indices
+from .loading import load_data as load_text_data
+
+
+def load_data(cfg, tokenizer) -> DataBundle:
+    """The ``DataBundle`` of ``cfg.data`` for ``cfg.task``: texts tokenized with ``tokenizer``
+    (``loading.load_data``), or, for ``task="image-classification"``, images preprocessed with the image processor
+    passed as ``tokenizer`` (``images.load_image_data``). Bad data raises ``DataError`` before any training."""
+    if cfg.task == "image-classification":
+        return load_image_data(cfg, tokenizer)
+    return load_text_data(cfg, tokenizer)
+
 
 __all__ = [
-    "BUILTINS", "FILE_FORMATS", "DataBundle", "DataError", "MicroBatch", "builtin_label_names",
-    "builtin_names", "builtin_rows", "builtin_texts", "collate", "epoch_order", "iter_steps",
-    "load_data", "pack", "split_indices", "steps_per_epoch",
+    "BUILTINS", "FILE_FORMATS", "IMAGE_EXTS", "DataBundle", "DataError", "ImageBatch", "MicroBatch",
+    "TorchImageProcessor", "builtin_label_names", "builtin_names", "builtin_rows", "builtin_texts", "collate",
+    "digits_images", "epoch_order", "iter_steps", "load_data", "load_image_data", "load_text_data", "pack",
+    "split_indices", "steps_per_epoch",
 ]

@@ -20,6 +20,8 @@ from .bundle import DataError
 
 CAUSAL_LM = "causal-lm"
 CLASSIFICATION = "sequence-classification"
+IMAGE_CLASSIFICATION = "image-classification"
+TASKS = (CAUSAL_LM, CLASSIFICATION, IMAGE_CLASSIFICATION)
 IGNORE_INDEX = -100   # the Hugging Face / torch cross-entropy "no target here" label
 
 
@@ -55,14 +57,73 @@ class MicroBatch:
         """``input_ids``, ``attention_mask`` and ``labels`` as keyword arguments for a HF model."""
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels}
 
+    def forward_inputs(self) -> dict[str, torch.Tensor]:
+        """What the forward takes (no labels: the loop computes the loss itself)."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
 
-def collate(examples: list[dict], pad_token_id: int, task: str,
-            indices: tuple[int, ...] = ()) -> MicroBatch:
-    """Pad ``examples`` to their longest row (right padding) and build the labels for ``task``."""
+
+@dataclass
+class ImageBatch:
+    """One forward/backward's worth of images: the same protocol as ``MicroBatch`` (``labels``, ``n_targets``,
+    ``n_tokens``, ``indices``, ``to``, ``pin_memory``, ``forward_inputs``). An example is what counts: one target
+    per image, and ``n_tokens`` (the loop's throughput unit) is the number of images."""
+
+    pixel_values: torch.Tensor     # (B, C, H, W) float32, preprocessed (resized, normalised)
+    labels: torch.Tensor           # (B,) long
+    n_targets: int                 # B
+    n_tokens: int                  # B: images are the unit of throughput, as examples are for classification
+    indices: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+    def to(self, device, non_blocking: bool = False) -> ImageBatch:
+        """A copy with the tensors on ``device``."""
+        return ImageBatch(pixel_values=self.pixel_values.to(device, non_blocking=non_blocking),
+                          labels=self.labels.to(device, non_blocking=non_blocking), n_targets=self.n_targets,
+                          n_tokens=self.n_tokens, indices=self.indices)
+
+    def pin_memory(self) -> ImageBatch:
+        """A copy in pinned host memory (see ``MicroBatch.pin_memory``)."""
+        return ImageBatch(pixel_values=self.pixel_values.pin_memory(), labels=self.labels.pin_memory(),
+                          n_targets=self.n_targets, n_tokens=self.n_tokens, indices=self.indices)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """``pixel_values`` and ``labels`` as keyword arguments for a HF image classifier."""
+        return {"pixel_values": self.pixel_values, "labels": self.labels}
+
+    def forward_inputs(self) -> dict[str, torch.Tensor]:
+        """What the forward takes (no labels: the loop computes the loss itself)."""
+        return {"pixel_values": self.pixel_values}
+
+
+def collate_images(examples: list[dict], indices: tuple[int, ...] = ()) -> ImageBatch:
+    """Stack preprocessed images (``{"pixel_values": (C, H, W), "label": int}``) into one batch."""
     if not examples:
         raise DataError("collate: got no examples")
-    if task not in (CAUSAL_LM, CLASSIFICATION):
-        raise DataError(f"task: {task!r} is not supported; allowed: {CAUSAL_LM}, {CLASSIFICATION}")
+    try:
+        pixels = torch.stack([ex["pixel_values"] for ex in examples])
+        labels = torch.tensor([ex["label"] for ex in examples], dtype=torch.long)
+    except KeyError as e:
+        raise DataError(f"collate: task='image-classification' needs 'pixel_values' and 'label' in every "
+                        f"example (missing {e})") from None
+    except RuntimeError as e:   # images of different sizes cannot be stacked
+        raise DataError(f"collate: the images of a batch have different shapes ({e}); preprocess them to one "
+                        "size") from None
+    n = len(examples)
+    return ImageBatch(pixel_values=pixels, labels=labels, n_targets=n, n_tokens=n, indices=tuple(indices))
+
+
+def collate(examples: list[dict], pad_token_id: int, task: str,
+            indices: tuple[int, ...] = ()) -> MicroBatch | ImageBatch:
+    """Pad ``examples`` to their longest row (right padding) and build the labels for ``task``; images are
+    stacked (``collate_images``; ``pad_token_id`` is not used)."""
+    if not examples:
+        raise DataError("collate: got no examples")
+    if task not in TASKS:
+        raise DataError(f"task: {task!r} is not supported; allowed: {', '.join(TASKS)}")
+    if task == IMAGE_CLASSIFICATION:
+        return collate_images(examples, indices)
     seqs = [ex["input_ids"] for ex in examples]
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     width = int(lengths.max())
@@ -98,7 +159,7 @@ def epoch_order(n_examples: int, seed: int, epoch: int) -> list[int]:
 
 def iter_steps(examples: list[dict], micro_batch_size: int, grad_accum_steps: int, seed: int,
                pad_token_id: int, task: str,
-               start_step: int = 0) -> Iterator[tuple[float, list[MicroBatch]]]:
+               start_step: int = 0) -> Iterator[tuple[float, list[MicroBatch | ImageBatch]]]:
     """Endless ``(epoch after this step, its micro-batches)`` per optimizer step.
 
     ``start_step`` skips that many steps first (without building them), so a resumed run gets the
@@ -107,8 +168,8 @@ def iter_steps(examples: list[dict], micro_batch_size: int, grad_accum_steps: in
     _check_sizes(micro_batch_size, grad_accum_steps)
     if not examples:
         raise DataError("iter_steps: no examples to train on")
-    if task not in (CAUSAL_LM, CLASSIFICATION):
-        raise DataError(f"task: {task!r} is not supported; allowed: {CAUSAL_LM}, {CLASSIFICATION}")
+    if task not in TASKS:
+        raise DataError(f"task: {task!r} is not supported; allowed: {', '.join(TASKS)}")
     if start_step < 0:
         raise DataError(f"start_step: must be >= 0, got {start_step}")
     return _steps(examples, micro_batch_size, grad_accum_steps, seed, pad_token_id, task, start_step)

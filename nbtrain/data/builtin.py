@@ -1,4 +1,5 @@
-"""Builtin corpora that need no network: the Python reference text shipped with CPython.
+"""Builtin datasets that need no network: the Python reference text shipped with CPython, and the handwritten
+digits that ship with scikit-learn.
 
 Both are made from ``pydoc_data.topics.topics`` (the text behind ``help("for")``), a dict from a
 topic key such as ``"assignment"`` to a few pages of plain-text reference documentation.
@@ -30,6 +31,12 @@ topic key such as ``"assignment"`` to a few pages of plain-text reference docume
     balanced too. About 950 examples, a quarter per label, on Python 3.11. The label shows in the
     wording: statements talk about statements and blocks, expressions about operators and operands,
     the data model about ``__dunder__`` methods, builtin types about ``str.``/``dict`` methods.
+
+``builtin:digits`` (image classification)
+    scikit-learn's ``load_digits()``: 1,797 grey 8x8 images of handwritten digits (UCI's optical
+    recognition set, 4-bit pixels 0..16) labelled 0-9, shipped inside the scikit-learn package, in its
+    order (about 180 per label, interleaved, so the first N are balanced too). Read by
+    ``nbtrain.data.images`` (``digits_images()``): pixels scaled to 0..255 as uint8.
 """
 
 from __future__ import annotations
@@ -70,10 +77,25 @@ BUILTINS: dict[str, str] = {
     "python-docs": "paragraphs of the Python reference (pydoc_data.topics), for causal LM",
     "python-docs-topics": "the same paragraphs labelled statements / expressions / data-model / "
                           "builtin-types, for sequence classification",
+    "digits": "1,797 handwritten digits, 8x8 grey images labelled 0-9 (scikit-learn's load_digits), for "
+              "image classification",
 }
+IMAGE_BUILTINS = ("digits",)   # builtins of images (the rest are text); TrainConfig knows them as IMAGE_BUILTINS
 
 _UNDERLINE = re.compile(r"^[ \t]*([*=\-~^\"#+`'])\1{2,}[ \t]*$", re.MULTILINE)
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
+
+
+def check_name(name: str) -> str:
+    """``name`` without its ``builtin:`` prefix; DataError naming the builtins when there is no such one."""
+    return _check_name(name)
+
+
+def _text_name(name: str) -> str:
+    name = _check_name(name)
+    if name in IMAGE_BUILTINS:
+        raise DataError(f"data: 'builtin:{name}' holds images, not text; use it with task='image-classification'")
+    return name
 
 
 def _check_name(name: str) -> str:
@@ -136,7 +158,7 @@ def builtin_names() -> list[str]:
 
 def builtin_texts(name: str) -> list[str]:
     """The texts of a builtin dataset (``"python-docs"`` or ``"python-docs-topics"``), in order."""
-    name = _check_name(name)
+    name = _text_name(name)
     if name == "python-docs":
         return list(_docs())
     return [t for t, _ in _topics()]
@@ -144,7 +166,7 @@ def builtin_texts(name: str) -> list[str]:
 
 def builtin_rows(name: str) -> list[dict]:
     """A builtin dataset as rows: ``{"text": str}``, plus ``"label": int`` for the labelled one."""
-    name = _check_name(name)
+    name = _text_name(name)
     if name == "python-docs":
         return [{"text": t} for t in _docs()]
     return [{"text": t, "label": g} for t, g in _topics()]
@@ -152,11 +174,20 @@ def builtin_rows(name: str) -> list[dict]:
 
 def builtin_label_names(name: str) -> list[str] | None:
     """Label names of a builtin dataset (index = label id), or None when it has no labels."""
-    return list(TOPIC_LABELS) if _check_name(name) == "python-docs-topics" else None
+    name = _check_name(name)
+    if name == "digits":
+        return [str(d) for d in range(10)]
+    return list(TOPIC_LABELS) if name == "python-docs-topics" else None
 
 
 def builtin_source(name: str) -> str:
     """A one-line description of a builtin dataset, for ``DataBundle.source``."""
     name = _check_name(name)
+    if name in IMAGE_BUILTINS:
+        try:
+            from sklearn import __version__ as version
+        except ImportError:
+            version = "not installed"
+        return f"builtin:{name} ({BUILTINS[name]}; scikit-learn {version})"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     return f"builtin:{name} ({BUILTINS[name]}; Python {py})"

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# image files (what datasets' imagefolder reads; Pillow opens them all): images.py reads them, loading.py names them
+IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
+
+
 class DataError(ValueError):
     """Bad or unusable data: the message names the file, column or field and what is allowed."""
 
@@ -14,12 +18,13 @@ class DataError(ValueError):
 class DataBundle:
     """Tokenized train and eval examples, ready for ``iter_steps``.
 
-    Each example is ``{"input_ids": list[int]}``, plus ``"label": int`` for sequence classification.
+    Each example is ``{"input_ids": list[int]}``, plus ``"label": int`` for sequence classification; for image
+    classification it is ``{"pixel_values": (C, H, W) float32 tensor, "label": int}``.
     """
 
     train: list[dict]
     eval: list[dict]
-    task: str                         # "causal-lm" | "sequence-classification"
+    task: str                         # "causal-lm" | "sequence-classification" | "image-classification"
     pad_token_id: int
     num_labels: int | None            # classification only
     label_names: list[str] | None
@@ -28,8 +33,8 @@ class DataBundle:
 
     @property
     def train_tokens(self) -> int:
-        """Input tokens over all training examples."""
-        return sum(len(ex["input_ids"]) for ex in self.train)
+        """Input tokens over all training examples (images: the number of images, the unit of throughput)."""
+        return sum(len(ex["input_ids"]) if "input_ids" in ex else 1 for ex in self.train)
 
     def __repr__(self) -> str:
         labels = f", num_labels={self.num_labels}" if self.num_labels is not None else ""

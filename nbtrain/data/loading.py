@@ -46,14 +46,14 @@ import torch
 
 from .. import hub
 from . import builtin
-from .bundle import DataBundle, DataError
+from .bundle import IMAGE_EXTS, DataBundle, DataError
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
 
 CAUSAL_LM = "causal-lm"
 CLASSIFICATION = "sequence-classification"
-TASKS = (CAUSAL_LM, CLASSIFICATION)
+TASKS = (CAUSAL_LM, CLASSIFICATION)   # the text tasks; images go through images.py
 
 # file suffix -> (datasets builder, extra load_dataset kwargs)
 FILE_FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -86,10 +86,12 @@ class _Rows:
 # public entry point
 # ---------------------------------------------------------------------------------------------
 def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
-    """Load, split and tokenize ``cfg.data`` for ``cfg.task``; bad data raises ``DataError``."""
+    """Load, split and tokenize ``cfg.data`` for a text task; bad data raises ``DataError``. (``nbtrain.data.
+    load_data`` takes image classification too: ``nbtrain.data.images.load_image_data``.)"""
     task = cfg.task
     if task not in TASKS:
-        raise DataError(f"task: {task!r} is not supported; allowed: {', '.join(TASKS)}")
+        raise DataError(f"task: {task!r} is not supported here; allowed: {', '.join(TASKS)} (images: "
+                        "nbtrain.data.load_data)")
     if tokenizer is None or not callable(tokenizer):
         raise DataError(f"tokenizer: expected a Hugging Face tokenizer, got {type(tokenizer).__name__}")
     pad_token_id = _pad_token_id(tokenizer)
@@ -268,6 +270,10 @@ def _read(cfg: TrainConfig) -> _Rows:
     data = cfg.data.strip()
     if data.startswith("builtin:"):
         name = data[len("builtin:"):]
+        if name in builtin.IMAGE_BUILTINS:
+            builtin.check_name(name)
+            raise DataError(f"data: {data!r} holds images, not text; set task='image-classification' (task="
+                            f"{cfg.task!r} needs a text dataset such as 'builtin:python-docs')")
         rows = builtin.builtin_rows(name)
         has_labels = bool(rows) and "label" in rows[0]
         return _Rows(texts=[r["text"] for r in rows],
@@ -295,6 +301,9 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
                        and not any(part.startswith(".") for part in p.relative_to(path).parts)
                        and p.suffix.lower() in FILE_FORMATS)
         if not files:
+            if any(p.suffix.lower() in IMAGE_EXTS for p in path.rglob("*") if p.is_file()):
+                raise DataError(f"data: directory '{path}' holds images, not text; set task='image-classification' "
+                                f"(task={cfg.task!r} reads {_SUPPORTED} files)")
             raise DataError(f"data: directory '{path}' holds no data files; supported: {_SUPPORTED}")
         builders = {FILE_FORMATS[p.suffix.lower()][0] for p in files}
         kwargs = {frozenset(FILE_FORMATS[p.suffix.lower()][1].items()) for p in files}
@@ -327,6 +336,15 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
 
 
 def _read_hub(data: str, cfg: TrainConfig) -> _Rows:
+    ds, split, where = hub_dataset(data)
+    return _rows_from_dataset(ds, cfg, where, f"dataset {data!r}, split {split!r} ({ds.num_rows} rows)",
+                              single_text_column=False)
+
+
+def hub_dataset(data: str, hint: str = "") -> tuple[Any, str, str]:
+    """``(dataset, split, where)`` of a dataset id: its ``train`` split (or its first), from the Hub or, when the
+    Hub cannot be reached, from the local datasets cache only. ``hint`` ends the offline error (what to give
+    instead)."""
     import datasets
 
     name, _, config_name = data.partition(":")
@@ -340,8 +358,8 @@ def _read_hub(data: str, cfg: TrainConfig) -> _Rows:
             raise DataError(
                 f"data: {data!r} is not a local file or directory, and it could not be loaded "
                 "offline as a Hugging Face dataset id (the Hub is not reachable and it is not in the "
-                f"local datasets cache). Give a local path instead: a {_SUPPORTED} file or a "
-                "directory of them (or 'builtin:python-docs').") from None
+                "local datasets cache). Give a local path instead: " + (hint or f"a {_SUPPORTED} file or a "
+                "directory of them (or 'builtin:python-docs').")) from None
         raise
     if isinstance(dd, datasets.DatasetDict):
         if not dd:
@@ -350,8 +368,7 @@ def _read_hub(data: str, cfg: TrainConfig) -> _Rows:
         ds = dd[split]
     else:
         split, ds = "train", dd
-    return _rows_from_dataset(ds, cfg, where, f"dataset {data!r}, split {split!r} ({ds.num_rows} rows)",
-                              single_text_column=False)
+    return ds, split, where
 
 
 def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
@@ -362,8 +379,11 @@ def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
     columns = list(ds.column_names)
     text_col = columns[0] if single_text_column else cfg.text_column
     if text_col not in features:
+        images = [c for c, f in features.items() if isinstance(f, datasets.Image)]
+        hint = (f" It holds images (column {images[0]!r}): for those set task='image-classification'."
+                if images else "")
         raise DataError(f"{where}: no text column {text_col!r}; its columns are {columns}. "
-                        "Set text_column to one of them.")
+                        f"Set text_column to one of them.{hint}")
     feat = features[text_col]
     column = ds.data.column(text_col)
     if len(column) and column.null_count == len(column):

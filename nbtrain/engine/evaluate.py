@@ -15,7 +15,7 @@ from .losses import loss_sum, micro_loss_sum
 @torch.no_grad()
 def evaluate(model, examples: list[dict], task: str, pad_token_id: int, batch_size: int,
              spec, device: str, chunk_tokens: Optional[int] = None) -> dict[str, float]:
-    """Mean loss per target token (and accuracy for classification) on ``examples``.
+    """Mean loss per target token (and accuracy for classification, text or image) on ``examples``.
 
     ``chunk_tokens`` (causal LM): the loss chunk by chunk, as in training with ``chunked_loss``, so that an
     evaluation never needs the full logits a chunked training run was set up to avoid.
@@ -38,7 +38,7 @@ def evaluate(model, examples: list[dict], task: str, pad_token_id: int, batch_si
                 total_loss += micro_loss_sum(model, mb, task, spec, device, chunk_tokens).double()
             else:                     # the logits are needed for the accuracy
                 with autocast(spec, device):
-                    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                    logits = model(**mb.forward_inputs()).logits
                 total_loss += loss_sum(logits, mb.labels, task).double()
                 correct += (logits.argmax(-1) == mb.labels).sum()
             total_targets += mb.n_targets

@@ -20,8 +20,15 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 def chain_step(previous: bytes, micro: list, task: str) -> bytes:
     """The data hash after one more step: chained over the step's real (unpadded) token ids, and its labels for a
-    classifier, independent of how the step is cut into micro-batches. Plain bytes, so a checkpoint keeps it."""
-    step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes() for mb in micro)
+    classifier, independent of how the step is cut into micro-batches. Plain bytes, so a checkpoint keeps it.
+
+    Images: over the step's pixel values (the preprocessed fp32 inputs, row-major, so the micro-batches' bytes in
+    order are the whole step's) and labels. Preprocessing does not depend on the precision, so fp32 and bf16 runs
+    of one config hash alike."""
+    if task == "image-classification":
+        step_ids = b"".join(mb.pixel_values.contiguous().numpy().tobytes() for mb in micro)
+    else:
+        step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes() for mb in micro)
     if task != "causal-lm":   # class labels are data too
         step_ids += b"".join(mb.labels.numpy().tobytes() for mb in micro)
     return hashlib.blake2b(previous + step_ids, digest_size=8).digest()

@@ -206,7 +206,8 @@ def chunked_loss_sum(model, input_ids, attention_mask, labels, chunk_tokens: int
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Sum (not mean) of the per-target losses in fp32, so a step can divide by its own token count."""
+    """Sum (not mean) of the per-target losses in fp32, so a step can divide by its own token count (a classifier,
+    text or image: one target per example, so a step divides by its examples)."""
     if task == "causal-lm":
         # Shift the labels, not the logits: slicing the logits would copy all of them (GBs for big vocabularies).
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -224,10 +225,9 @@ def micro_loss_sum(model, mb, task: str, spec, device: str, chunk_tokens: Option
     and ``compiled`` its per-chunk softmax gradient compiled. The logits are not kept past the loss: backward
     needs only what the autograd graph holds.
     """
-    mask = mb.attention_mask
     with autocast(spec, device):
         if chunk_tokens and task == "causal-lm":
-            return chunked_loss_sum(model, mb.input_ids, mask, mb.labels, chunk_tokens, parts=parts,
+            return chunked_loss_sum(model, mb.input_ids, mb.attention_mask, mb.labels, chunk_tokens, parts=parts,
                                     n_targets=mb.n_targets, compiled=compiled)
-        logits = model(input_ids=mb.input_ids, attention_mask=mask).logits
+        logits = model(**mb.forward_inputs()).logits   # input_ids + attention_mask, or an image's pixel_values
     return loss_sum(logits, mb.labels, task)

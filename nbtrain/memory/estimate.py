@@ -107,7 +107,12 @@ def estimate_precision(cfg: TrainConfig, device: str) -> str:
 def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device_name: str) -> MemoryEstimate:
     """The estimate of ``cfg`` on ``device`` with ``device_total_gib`` of memory, without advice."""
     precision = estimate_precision(cfg, device)
-    p = step_peak(cfg, precision, device, NUM_LABELS)
+    if cfg.task == "image-classification":   # a vision encoder: patches x hidden (or a traced CNN)
+        from .vision import image_step_peak
+
+        p = image_step_peak(cfg, precision, device, NUM_LABELS)
+    else:
+        p = step_peak(cfg, precision, device, NUM_LABELS)
     overhead = (CUDA_CONTEXT_BYTES if device == "cuda" else 0) + SLACK.get(device, 0.05) * p.peak
     total = p.peak + overhead
     return MemoryEstimate(

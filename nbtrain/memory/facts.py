@@ -141,7 +141,10 @@ def _architecture(model: str, task: str, num_labels: int, stamp: Optional[float]
         names = head_module_names(m)
         head = next((lin.name for lin in linears if names and lin.name.split(".")[0] in names), None)
     head_out = next((lin.n_out for lin in linears if lin.name == head), int(getattr(c, "vocab_size", 0) or 0))
-    emb = m.get_input_embeddings()
+    try:
+        emb = m.get_input_embeddings()
+    except NotImplementedError:   # a CNN image classifier (ConvNeXt) has no input embedding
+        emb = None
     tied = bool(out is not None and emb is not None and out.weight is emb.weight)
     layer_leaves = {lin.leaf for lin in linears if lin.layer is not None}
     return Architecture(model_type=str(getattr(c, "model_type", type(m).__name__)), hidden=hidden, layers=layers,
@@ -187,7 +190,7 @@ def _adapters(model: str, task: str, num_labels: int, stamp: Optional[float], lo
 
 def unquantized_linears(model: str, task: str, num_labels: int, arch: Architecture) -> frozenset[str]:
     """Linear modules bitsandbytes leaves unquantised, as transformers decides (output layer, heads)."""
-    if task == "sequence-classification":
+    if task in ("sequence-classification", "image-classification"):   # nbtrain skips the classifier's new head
         keys = head_module_names(_meta_model(model, task, num_labels))
     else:
         try:

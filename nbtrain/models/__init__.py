@@ -1,17 +1,18 @@
-"""Models: the ``tiny`` preset, loading from a directory or the Hub, full / LoRA / QLoRA, saving."""
+"""Models: the ``tiny`` and ``tiny-vit`` presets, loading from a directory or the Hub, full / LoRA / QLoRA,
+saving."""
 
 from __future__ import annotations
 
 import torch
 
 from ..config import ConfigError, TrainConfig
-from .loading import ModelError, known_module_names, load_tokenizer, resolve_source
+from .loading import ModelError, known_module_names, load_image_processor, load_tokenizer, resolve_source
 from .methods import build_model
 from .presets import PRESETS, ModelPreset
 from .saving import save_model
 
 __all__ = ["PRESETS", "ModelError", "ModelPreset", "build_model", "check_lora_targets", "count_params",
-           "known_module_names", "load_tokenizer", "resolve_source", "save_model"]
+           "known_module_names", "load_image_processor", "load_tokenizer", "resolve_source", "save_model"]
 
 
 def _real_numel(p: torch.Tensor) -> int:

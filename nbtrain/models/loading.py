@@ -12,10 +12,12 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from .presets import PRESETS, build_preset_model, preset_tokenizer
+from .presets import PRESETS, build_preset_model, preset_image_processor, preset_tokenizer
 
 CAUSAL_LM = "causal-lm"
 SEQ_CLS = "sequence-classification"
+IMG_CLS = "image-classification"
+CLASSIFIERS = (SEQ_CLS, IMG_CLS)   # one label per example: a head with num_labels outputs
 
 
 class ModelError(ValueError):
@@ -85,14 +87,69 @@ def _check_local(src: ModelSource) -> None:
                          "object of config fields; write it again with model.config.save_pretrained(DIR)")
 
 
+def _check_preset_task(name: str, task: str) -> None:
+    try:
+        PRESETS[name].check_task(task)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+
+
+def load_image_processor(cfg):
+    """The image processor for ``cfg.model`` (``task="image-classification"``).
+
+    A preset (``"tiny-vit"``) has nbtrain's ``TorchImageProcessor``; a model directory or Hub id its own
+    (``AutoImageProcessor.from_pretrained``) when it has ``preprocessor_config.json``, else a
+    ``TorchImageProcessor`` at the model config's ``image_size`` and ``num_channels`` (mean and std 0.5), and
+    ``.notes`` says so."""
+    from ..data.images import PROCESSOR_CONFIG, TorchImageProcessor
+
+    src = resolve_source(cfg.model)
+    if src.is_preset:
+        _check_preset_task(src.name, IMG_CLS)
+        return preset_image_processor(src.name)
+    if src.kind == "local":
+        _check_local(src)
+    kwargs = _load_kwargs(src)
+    has_own = src.kind == "hub" or (Path(src.name) / PROCESSOR_CONFIG).is_file()
+    if has_own:
+        from transformers import AutoImageProcessor
+
+        try:
+            return AutoImageProcessor.from_pretrained(src.name, **kwargs)
+        except OSError as e:
+            if src.kind == "local":
+                raise ModelError(f"model {src.name!r}: could not load its image processor ({e})") from None
+            # a Hub model without preprocessor_config.json: made from its config below
+        except (ValueError, KeyError, ImportError) as e:
+            raise ModelError(f"model {src.name!r}: could not load its image processor: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    config = _pretrained_config(src, IMG_CLS, None)
+    size = getattr(config, "image_size", None)
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    if not size:
+        raise ModelError(f"model {src.name!r}: has no {PROCESSOR_CONFIG} and its config names no image_size; save "
+                         "the model's image processor there (processor.save_pretrained(DIR))")
+    proc = TorchImageProcessor(size=int(size), num_channels=int(getattr(config, "num_channels", 3) or 3),
+                               image_mean=(0.5,), image_std=(0.5,), origin=f"model {src.name!r} config")
+    proc.notes.append(f"model {src.name!r} has no {PROCESSOR_CONFIG}: images resized to its image_size {size} "
+                      "and normalised with mean and std 0.5")
+    return proc
+
+
 def load_tokenizer(cfg):
     """The tokenizer for ``cfg.model``, with a pad token (the EOS one when it has none) padding right.
 
     ``"tiny"`` gets the offline byte-level BPE of the preset; anything else goes through
     ``AutoTokenizer.from_pretrained`` (a local directory, or a Hub id that is reachable or cached).
+    For ``task="image-classification"`` it is the model's image processor instead (``load_image_processor``):
+    what turns the data into model inputs, saved beside the model like a tokenizer.
     """
+    if cfg.task == IMG_CLS:
+        return load_image_processor(cfg)
     src = resolve_source(cfg.model)
     if src.is_preset:
+        _check_preset_task(src.name, cfg.task)
         tok = preset_tokenizer(src.name)
     else:
         from transformers import AutoTokenizer
@@ -133,8 +190,10 @@ def head_module_names(model: torch.nn.Module) -> list[str]:
 
 
 def _auto_class(task: str):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSequenceClassification
 
+    if task == IMG_CLS:
+        return AutoModelForImageClassification
     return AutoModelForSequenceClassification if task == SEQ_CLS else AutoModelForCausalLM
 
 
@@ -142,7 +201,7 @@ def _pretrained_config(src: ModelSource, task: str, num_labels: int | None, loca
     from transformers import AutoConfig
 
     kwargs = _load_kwargs(src, local_only)
-    if task == SEQ_CLS and num_labels:
+    if task in CLASSIFIERS and num_labels:
         kwargs["num_labels"] = int(num_labels)
     try:
         return AutoConfig.from_pretrained(src.name, **kwargs)
@@ -160,6 +219,7 @@ def meta_model(model: str, task: str, num_labels: int | None = None,
     (``local_only``: a Hub id must already be in the local cache)."""
     src = resolve_source(model)
     if src.is_preset:
+        _check_preset_task(src.name, task)
         config = PRESETS[src.name].make_config(None, task, num_labels or 2)
     else:
         if src.kind == "local":
@@ -196,7 +256,7 @@ def _known(model: str, task: str, stamp: float | None) -> frozenset[str] | None:
         meta = meta_model(model, task)
     except Exception:  # noqa: BLE001 - any failure here only means "cannot tell without loading"
         return None
-    heads = set(head_module_names(meta)) if task == SEQ_CLS else set()
+    heads = set(head_module_names(meta)) if task in CLASSIFIERS else set()
     return frozenset(linear_module_names(meta) - heads)
 
 
@@ -219,11 +279,12 @@ def load_base_model(cfg, tokenizer, num_labels: int | None, device: str, quantiz
     """The fp32 base model for ``cfg`` on ``device``: a preset from its config (random init from the
     global RNG), else from the directory / Hub id; quantised on load when a config is given."""
     task = cfg.task
-    if task == SEQ_CLS and not num_labels:
-        raise ModelError(f"num_labels: task {SEQ_CLS!r} needs the number of labels (>= 1), got "
+    if task in CLASSIFIERS and not num_labels:
+        raise ModelError(f"num_labels: task {task!r} needs the number of labels (>= 1), got "
                          f"{num_labels!r}")
     src = resolve_source(cfg.model)
     if src.is_preset:
+        _check_preset_task(src.name, task)
         model = build_preset_model(src.name, tokenizer, task, num_labels)
         if quantization_config is None:
             return model.to(device)
@@ -249,7 +310,7 @@ def load_base_model(cfg, tokenizer, num_labels: int | None, device: str, quantiz
 
 def _from_pretrained(src: ModelSource, task: str, num_labels, device: str, quantization_config):
     kwargs: dict = {"dtype": torch.float32, **_load_kwargs(src)}
-    if task == SEQ_CLS:
+    if task in CLASSIFIERS:
         # a checkpoint that already has a head for another label count gets a fresh one
         kwargs.update(num_labels=int(num_labels), ignore_mismatched_sizes=True)
     if quantization_config is not None:

@@ -13,8 +13,8 @@ import warnings
 import torch
 
 from ..precision import active_autocast_dtype
-from .loading import CAUSAL_LM, SEQ_CLS, ModelError, head_module_names, linear_module_names, \
-    load_base_model
+from .loading import CAUSAL_LM, CLASSIFIERS, IMG_CLS, SEQ_CLS, ModelError, head_module_names, \
+    linear_module_names, load_base_model
 
 # the dtype bitsandbytes computes its 4-bit matmuls in, per resolved precision: it follows the
 # autocast dtype so the quantised layers do not silently run in another precision than the rest
@@ -62,10 +62,14 @@ def apply_full(model: torch.nn.Module, cfg) -> torch.nn.Module:
 
 
 def lora_config(cfg, model: torch.nn.Module, task: str):
-    """The peft ``LoraConfig`` for ``cfg``; explicit target names are checked against ``model``."""
+    """The peft ``LoraConfig`` for ``cfg``; explicit target names are checked against ``model``.
+
+    An image classifier gets no peft task type (peft has none for it; the plain ``PeftModel`` passes
+    ``pixel_values`` through); its head trains whole like a text classifier's. ``all-linear`` adapts every Linear
+    of the encoder (a ViT's query, key, value and dense layers), ``["query", "value"]`` only the attention's."""
     from peft import LoraConfig, TaskType
 
-    heads = head_module_names(model) if task == SEQ_CLS else []
+    heads = head_module_names(model) if task in CLASSIFIERS else []
     if isinstance(cfg.lora_targets, str):
         targets: str | list[str] = "all-linear"
     else:
@@ -80,7 +84,7 @@ def lora_config(cfg, model: torch.nn.Module, task: str):
         target_modules=targets,
         # the classification head is new: it trains whole and is saved with the adapter
         exclude_modules=heads or None, modules_to_save=heads or None,
-        task_type=TaskType.SEQ_CLS if task == SEQ_CLS else TaskType.CAUSAL_LM,
+        task_type={SEQ_CLS: TaskType.SEQ_CLS, IMG_CLS: None}.get(task, TaskType.CAUSAL_LM),
     )
 
 
@@ -175,14 +179,15 @@ def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: 
     4-bit layers under QLoRA. ``label_names`` (a classifier's, from ``DataBundle.label_names``) name
     the labels in the model config. Seed torch before calling: the initialisation of new weights (the
     whole ``tiny`` preset, a classification head) draws from the global RNG. The forward takes
-    ``input_ids`` and ``attention_mask`` and returns ``.logits``; the caller computes the loss.
+    ``input_ids`` and ``attention_mask`` (an image classifier: ``pixel_values``) and returns ``.logits``; the
+    caller computes the loss.
     """
     task = cfg.task
-    if task not in (CAUSAL_LM, SEQ_CLS):
-        raise ModelError(f"task: must be {CAUSAL_LM!r} or {SEQ_CLS!r}, got {task!r}")
+    if task not in (CAUSAL_LM, *CLASSIFIERS):
+        raise ModelError(f"task: must be {CAUSAL_LM!r}, {SEQ_CLS!r} or {IMG_CLS!r}, got {task!r}")
     if cfg.method == "qlora":
         skip = None
-        if task == SEQ_CLS:
+        if task in CLASSIFIERS:   # the new head stays unquantised (it trains whole)
             from .loading import meta_model
 
             skip = head_module_names(meta_model(cfg.model, task, num_labels, local_only=False))
@@ -195,7 +200,7 @@ def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: 
     if task == SEQ_CLS and model.config.pad_token_id is None:
         # the head reads the last non-pad token; without a pad id it refuses batches larger than 1
         model.config.pad_token_id = tokenizer.pad_token_id
-    if task == SEQ_CLS and label_names:
+    if task in CLASSIFIERS and label_names:
         name_labels(model, label_names)
     if task == CAUSAL_LM:
         # the loop never generates; a KV cache would only cost memory during training

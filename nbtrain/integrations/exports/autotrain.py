@@ -30,7 +30,7 @@ from .mapping import (
 # The TrainConfig fields the format carries. A round trip keeps all of them except those named in the
 # export's notes (for instance max_steps, which AutoTrain cannot express).
 AUTOTRAIN_FIELDS = (
-    "model", "task", "data", "text_column", "label_column", "max_seq_len", "precision", "micro_batch_size",
+    "model", "task", "data", "text_column", "label_column", "image_column", "max_seq_len", "precision", "micro_batch_size",
     "grad_accum_steps", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
     "gradient_checkpointing", "lr", "weight_decay", "scheduler", "warmup_steps", "epochs", "max_grad_norm",
     "log_every", "seed", "output_dir",
@@ -52,7 +52,18 @@ _AT_CLF_DEFAULTS = {
     "project_name": "project-name", "data.column_mapping.text_column": "text",
     "data.column_mapping.target_column": "target", "data.train_split": "train",
 }
+# AutoTrain's ImageClassificationParams defaults
+_AT_IMG_DEFAULTS = {
+    "params.lr": 5e-5, "params.epochs": 3, "params.batch_size": 8, "params.warmup_ratio": 0.1,
+    "params.gradient_accumulation": 1, "params.scheduler": "linear", "params.weight_decay": 0.0,
+    "params.max_grad_norm": 1.0, "params.seed": 42, "params.logging_steps": -1, "project_name": "project-name",
+    "data.column_mapping.image_column": "image", "data.column_mapping.target_column": "target",
+    "data.train_split": "train",
+}
 _AT_LLM_TASKS = ("llm", "llm-sft", "llm-generic", "lm_training", "llm_training", "llm_finetuning")
+# AutoTrain's parser aliases image_classification and image_binary_classification to its multi-class task
+_AT_IMG_TASKS = ("image_classification", "image_multi_class_classification", "image_binary_classification",
+                 "image-classification")
 _AT_CLF_TASKS = ("text_multi_class_classification", "text_binary_classification", "text_classification",
                  "text-classification", "text-binary-classification")
 
@@ -71,11 +82,24 @@ def _split_local_file(data: str) -> tuple[str, str]:
     return data, "train"
 
 
+def _split_local_folder(data: str) -> tuple[str, str]:
+    p = Path(data).expanduser()
+    if p.is_dir():   # AutoTrain reads <path>/<train_split>/<class>/<image>
+        return str(p.parent), p.name
+    return data, "train"
+
+
 def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
-    """``(the AutoTrain Advanced YAML as a dict, notes)``; notes name the fields it cannot carry."""
+    """``(the AutoTrain Advanced YAML as a dict, notes)``; notes name the fields it cannot carry.
+
+    ``task="image-classification"`` exports as AutoTrain's ``image_classification`` (column mapping
+    ``image_column`` / ``target_column``); an image folder ``DIR`` as ``path: DIR/..`` with ``train_split:
+    <DIR's name>``, the folder of class subfolders AutoTrain reads."""
     llm = cfg.task == "causal-lm"
+    image = cfg.task == "image-classification"
     if not llm and cfg.method != "full":
-        raise ConfigError(f"method: AutoTrain's text classification fine-tunes the whole model; method="
+        kind = "image" if image else "text"
+        raise ConfigError(f"method: AutoTrain's {kind} classification fine-tunes the whole model; method="
                           f"{cfg.method!r} does not export (use method='full')", field="method")
     notes: dict[str, str] = {}
     precision = resolve_precision(cfg.precision)
@@ -97,14 +121,18 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     if cfg.method != "qlora" and cfg.quant_bits != 4:
         notes["quant_bits"] = f"quant_bits={cfg.quant_bits} is only written for method='qlora'"
     if not llm:
+        kind = "image" if image else "text"
         notes.update(non_default_notes(cfg, ("gradient_checkpointing", "lora_r", "lora_alpha", "lora_dropout",
-                                              "lora_targets", "quant_bits"),
-                                        "has no key in AutoTrain's text classification"))
+                                              "lora_targets", "quant_bits")
+                                       + (("text_column", "max_seq_len") if image else ()),
+                                        f"has no key in AutoTrain's {kind} classification"))
     name = _project_name(cfg.output_dir)
     if name != cfg.output_dir:
         notes["output_dir"] = f"output_dir={cfg.output_dir!r} becomes project_name {name!r} (letters, digits, -)"
     if cfg.data.startswith("builtin:"):
-        notes["data"] = f"{cfg.data!r} is an nbtrain builtin: write its texts to a csv/jsonl file for AutoTrain"
+        notes["data"] = (f"{cfg.data!r} is an nbtrain builtin: write its images to a folder of class subfolders "
+                         "for AutoTrain" if image else
+                         f"{cfg.data!r} is an nbtrain builtin: write its texts to a csv/jsonl file for AutoTrain")
     if llm and not cfg.packing:
         notes["packing"] = "AutoTrain packs causal-LM text into block_size blocks (packing=False has no setting)"
     if cfg.eval_fraction:
@@ -116,9 +144,16 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     notes.update(non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no AutoTrain key "
                                                        "(the same training without it)"))
 
-    path, split = _split_local_file(cfg.data)
-    columns = {"text_column": cfg.text_column}
-    if not llm:
+    if image:
+        path, split = _split_local_folder(cfg.data)
+        local = Path(cfg.data).expanduser().is_dir()
+        # an image folder's columns are imagefolder's (image, label), whatever image_column/label_column say
+        columns = ({"image_column": "image", "target_column": "label"} if local else
+                   {"image_column": cfg.image_column, "target_column": cfg.label_column})
+    else:
+        path, split = _split_local_file(cfg.data)
+        columns = {"text_column": cfg.text_column}
+    if not llm and not image:
         columns["target_column"] = cfg.label_column
     data: dict[str, Any] = {"path": path, "train_split": split, "valid_split": None}
     if llm:
@@ -132,7 +167,7 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     params: dict[str, Any] = {}
     if llm:
         params.update(block_size=cfg.max_seq_len, model_max_length=cfg.max_seq_len, padding="right")
-    else:
+    elif not image:
         params["max_seq_length"] = cfg.max_seq_len
     params.update(epochs=epochs, batch_size=cfg.micro_batch_size, gradient_accumulation=cfg.grad_accum_steps,
                   lr=cfg.lr, optimizer="adamw_torch", scheduler=hf_scheduler(cfg), warmup_ratio=warmup_ratio,
@@ -146,7 +181,8 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
             target_modules=targets_out(cfg.lora_targets, "all-linear"), merge_adapter=False,
             lora_r=cfg.lora_r, lora_alpha=int(round(cfg.lora_alpha)), lora_dropout=cfg.lora_dropout,
             disable_gradient_checkpointing=not cfg.gradient_checkpointing)
-    doc = {"task": "llm" if llm else "text_multi_class_classification", "base_model": cfg.model,
+    at_task = "llm" if llm else "image_classification" if image else "text_multi_class_classification"
+    doc = {"task": at_task, "base_model": cfg.model,
            "project_name": name, "log": "none", "backend": "local", "data": data, "params": params}
     return doc, notes
 
@@ -184,6 +220,8 @@ def _read_autotrain(path, overrides):
     task = str(flat.get("task"))
     if task in _AT_CLF_TASKS:
         defaults, nb_task = _AT_CLF_DEFAULTS, "sequence-classification"
+    elif task in _AT_IMG_TASKS:
+        defaults, nb_task = _AT_IMG_DEFAULTS, "image-classification"
     else:
         defaults, nb_task = _AT_LLM_DEFAULTS, "causal-lm"
     r = Reader(flat, defaults, str(path))
@@ -191,8 +229,10 @@ def _read_autotrain(path, overrides):
     r.drop("task")
     kw["task"] = nb_task
     llm = nb_task == "causal-lm"
-    if task not in _AT_LLM_TASKS + _AT_CLF_TASKS:
-        r.hard["task"] = f"task: {task!r} has no nbtrain equivalent (llm, llm-sft or text classification)"
+    image = nb_task == "image-classification"
+    if task not in _AT_LLM_TASKS + _AT_CLF_TASKS + _AT_IMG_TASKS:
+        r.hard["task"] = (f"task: {task!r} has no nbtrain equivalent (llm, llm-sft, text or image "
+                          "classification)")
     if r.has("params.trainer"):
         trainer = r.doc["params.trainer"]
         if llm and trainer in ("default", "sft", "generic"):
@@ -213,12 +253,21 @@ def _read_autotrain(path, overrides):
     if data_path is None:
         if "data" not in overrides:
             r.hard["data"] = "data.path: missing"
+    elif image:
+        folder = Path(str(data_path)).expanduser() / split
+        kw["data"] = str(folder) if folder.is_dir() else str(data_path)
+        if not folder.is_dir() and split != "train":
+            r.unmapped["data.train_split"] = split
+            r.why["data.train_split"] = "nbtrain reads a dataset's 'train' split (or a local image folder)"
     else:
         kw["data"] = _at_data(r, str(data_path), split)
     for key in ("data.valid_split", "data.chat_template"):
         if r.has(key) and _none(r.doc[key]):
             r.drop(key)
-    kw["text_column"] = str(r.take("data.column_mapping.text_column"))
+    if image:
+        kw["image_column"] = str(r.take("data.column_mapping.image_column"))
+    else:
+        kw["text_column"] = str(r.take("data.column_mapping.text_column"))
     if not llm:
         kw["label_column"] = str(r.take("data.column_mapping.target_column"))
 
@@ -231,7 +280,7 @@ def _read_autotrain(path, overrides):
         kw["max_seq_len"] = number(block, int) if block is not None and number(block) > 0 else mml
         if r.has("params.padding") and r.doc["params.padding"] == "right":
             r.drop("params.padding")
-    else:
+    elif not image:
         kw["max_seq_len"] = r.take("params.max_seq_length", int)
     kw["micro_batch_size"] = r.take("params.batch_size", int)
     kw["grad_accum_steps"] = r.take("params.gradient_accumulation", int)

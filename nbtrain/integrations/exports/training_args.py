@@ -5,6 +5,8 @@ The Trainer reads neither ``peft_config`` nor ``quantization_config``: pass them
 (``transformers.get_scheduler``); the Trainer's AdamW exempts biases and norm weights from weight decay,
 nbtrain's decays every trainable parameter (identical when ``weight_decay=0``, the default). For nbtrain's
 exact optimizer in a Trainer, pass ``Trainer(optimizers=nbtrain_optimizer_and_scheduler(cfg, model, total_steps))``.
+``report_to`` maps name for name (the Trainer's own integrations); the Trainer's TensorBoard writes to
+``output_dir/runs/<time>_<host>`` (or ``TENSORBOARD_LOGGING_DIR``), nbtrain's to ``output_dir/tensorboard``.
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
         logging_nan_inf_filter=False,
         eval_strategy="steps" if cfg.eval_every else "no",
         save_strategy="steps" if cfg.save_every else "no",
-        report_to="none",
+        # nbtrain's report_to names are the Trainer's integration names; [] (none) is its "none"
+        report_to=list(cfg.report_to) or "none",
     )
+    if "trackio" in cfg.report_to and "project" in getattr(TrainingArguments, "__dataclass_fields__", {}):
+        kw["project"] = "nbtrain"   # the trackio project nbtrain's own runs log to (the Trainer's: "huggingface")
     ckpt = _checkpointing_arg()
     kw[ckpt] = cfg.gradient_checkpointing
     if cfg.epochs is not None:
@@ -70,6 +75,9 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
         kw[precision] = True
     if device == "cpu":
         kw["use_cpu"] = True
+    if cfg.task == "image-classification":
+        # the image column is turned into pixel_values by a transform, after the Trainer's column pruning
+        kw["remove_unused_columns"] = False
     kw.update(overrides)
     return kw
 
@@ -103,11 +111,13 @@ def peft_and_quant_configs(cfg: TrainConfig):
         lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
                           target_modules=cfg.lora_targets if isinstance(cfg.lora_targets, str)
                           else list(cfg.lora_targets),
-                          task_type=TaskType.SEQ_CLS if cfg.task == "sequence-classification"
-                          else TaskType.CAUSAL_LM)
+                          task_type={"sequence-classification": TaskType.SEQ_CLS,
+                                     "image-classification": None}.get(cfg.task, TaskType.CAUSAL_LM))
     qcfg = None
     if cfg.method == "qlora":
-        skip = head_module_names(arch) if arch is not None and cfg.task == "sequence-classification" else None
+        # a classifier's head stays unquantised (it is trained in full), for text and images alike
+        skip = (head_module_names(arch) if arch is not None
+                and cfg.task in ("sequence-classification", "image-classification") else None)
         qcfg = bnb_config(cfg, resolve_precision(cfg.precision), skip)
     return lcfg, qcfg
 
