@@ -4,9 +4,7 @@ The UI pieces (``Panel``, ``LiveDashboard``) are resolved lazily so that ``impor
 ipywidgets, plotly or IPython (DESIGN rule 1).
 """
 
-from ._logs import quiet_library_logs as _quiet_library_logs
-
-_quiet_library_logs()   # before anything below can import bitsandbytes
+from . import _logs  # noqa: F401  (first: it quiets library log lines before anything below imports them)
 
 # transformers replaces itself in sys.modules at the end of its import; completed here, on the thread that
 # imports nbtrain, so that a later first use from a background thread (a run, a comparison in the user's own
@@ -34,6 +32,10 @@ __all__ = ["TrainConfig", "ConfigError", "train", "start", "Run", "TrainResult",
 
 
 def __getattr__(name: str):
+    if name == "integrations":   # nbt.integrations.trackers.TensorBoardCallback(...): the subpackage, on first use
+        import importlib
+
+        return importlib.import_module("nbtrain.integrations")
     if name in _LAZY:
         import importlib
 

@@ -27,3 +27,6 @@ def quiet_library_logs() -> None:
     log = logging.getLogger(_BNB_CPU_LOGGER)   # configurable before bitsandbytes is ever imported
     if not any(isinstance(f, _DropMessage) for f in log.filters):
         log.addFilter(_DropMessage(_BNB_CPU_MESSAGE))
+
+
+quiet_library_logs()   # on import: nbtrain/__init__ imports this module before anything else

@@ -211,7 +211,9 @@ def test_train_and_compare_threads_are_registered_and_their_stop_ends_the_job():
     threads._live[th]()
     th.join(TIMEOUT)
     assert not th.is_alive() and th not in threads._live
-    assert panel.comparison.results["fp32"].summary["stopped_reason"] == "stopped"
+    # Stopping a comparison stops all of it: fp32 was cut, or (stopped during the warm-up) never started.
+    assert panel.comparison.stopped == "stopped"
+    assert "fp32" in panel.comparison.cut + panel.comparison.not_run
 
 
 SCRIPT = """
@@ -232,6 +234,12 @@ panel.stop_button.click()
 assert panel.wait(120) is not None
 for p, box in panel.compare_choices.items():
     box.value = p == "fp32"
+finish = panel.runner.finish
+def reporting_finish(job, result=None, comparison=None, error=None):
+    if comparison is not None:
+        print("COMPARE", comparison.stopped, flush=True)
+    return finish(job, result=result, comparison=comparison, error=error)
+panel.runner.finish = reporting_finish
 panel.compare_button.click()
 panel.controls["micro_batch_size"].value = 2   # and a memory estimate pending
 print("EXIT", flush=True)
@@ -246,5 +254,5 @@ def test_script_with_train_stop_then_compare_exits_cleanly(tmp_path):
     assert "terminate called" not in proc.stderr
     lines = proc.stdout.splitlines()
     assert "END stopped" in lines[:lines.index("EXIT")]          # the Train, stopped
-    # The Compare still loading at exit was stopped and waited for, not killed: its run ended.
-    assert "END stopped" in lines[lines.index("EXIT") + 1:], proc.stdout[-2000:] + proc.stderr[-3000:]
+    # The Compare still loading at exit was stopped and waited for, not killed: it ended as a stopped comparison.
+    assert "COMPARE stopped" in lines[lines.index("EXIT") + 1:], proc.stdout[-2000:] + proc.stderr[-3000:]

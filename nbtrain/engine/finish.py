@@ -37,6 +37,7 @@ class RunSummary(Mapping):
     tokens_per_s: float = 0.0
     peak_vram_gib: Optional[float] = None
     peak_host_rss_gib: Optional[float] = None
+    peak_host_tensors_gib: Optional[float] = None
     final_loss: Optional[float] = None
     eval_loss: Optional[float] = None
     skipped_steps: int = 0
@@ -165,6 +166,7 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow) -> RunS
     """The run's summary from its records and what prepare() knew."""
     records, evals = st.records, st.evals
     peaks = [r.vram_peak_gib for r in records if r.vram_peak_gib is not None]
+    tensor_peaks = [r.host_tensors_gib for r in records if r.host_tensors_gib is not None]
     n_in_tokens = sum(r.tokens_per_s * r.step_time_s for r in records)
     last_eval = evals[-1] if evals else None
     return RunSummary(
@@ -172,6 +174,7 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow) -> RunS
         tokens_per_s=n_in_tokens / wall if wall > 0 else 0.0,
         peak_vram_gib=max(peaks) if peaks else None,
         peak_host_rss_gib=max((r.host_rss_gib for r in records), default=host_rss_gib()),
+        peak_host_tensors_gib=max(tensor_peaks) if tensor_peaks else None,
         final_loss=records[-1].loss if records else None,
         eval_loss=last_eval.eval_loss if last_eval else None,
         skipped_steps=sum(r.skipped for r in records), nonfinite_steps=sum(r.nonfinite for r in records),

@@ -86,7 +86,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 for i, mb in enumerate(local):
                     # Pinned host memory: the copy is queued without waiting for the GPU (a pageable one waits).
                     mb = (mb.pin_memory() if device == "cuda" else mb).to(device, non_blocking=True)
-                    with dist.no_sync(st.fwd_model, last=i == len(local) - 1):
+                    with dist.no_sync(st.fwd_model, last=i == len(local) - 1), st.host_tensors.micro():
                         loss = micro_loss_sum(st.fwd_model, mb, st.data.task, st.spec, device, st.chunk_tokens,
                                               st.loss_parts, cfg.compile) / n_targets
                         if mb.n_targets == 0:
@@ -120,6 +120,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                     optimizer.step()
             if not skipped:
                 st.scheduler.step()                      # real steps only: a skipped step does not advance the lr
+            host_tensors = st.host_tensors.step_peak()   # before zero_grad: gradients and optimizer state together
             optimizer.zero_grad(set_to_none=True)
 
             now = time.perf_counter()
@@ -131,8 +132,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 grad_norm=norm_v, clipped=bool(cfg.max_grad_norm) and not nonfinite and norm_v > cfg.max_grad_norm,
                 scale=scale, skipped=bool(skipped), nonfinite=nonfinite,
                 vram_allocated_gib=alloc, vram_reserved_gib=reserved, vram_peak_gib=peak,
-                host_rss_gib=host_rss_gib(), step_time_s=dt, tokens_per_s=n_tokens / dt if dt > 0 else 0.0,
-                elapsed_s=now - t_start, variant=st.variant,
+                host_rss_gib=host_rss_gib(), host_tensors_gib=host_tensors, step_time_s=dt,
+                tokens_per_s=n_tokens / dt if dt > 0 else 0.0, elapsed_s=now - t_start, variant=st.variant,
             )
             st.records.append(rec)
             try:

@@ -30,6 +30,7 @@ from .fingerprint import weights_hash
 from .losses import micro_loss_sum, split_for_chunked_loss
 from .records import EvalRecord, RunInfo, StepRecord
 from .rng import RunRng
+from .telemetry import RunTensorBytes
 
 
 @dataclass
@@ -55,6 +56,7 @@ class RunState:
     total_steps: int
     info: RunInfo
     nonfinite_policy: str
+    host_tensors: RunTensorBytes          # the run's own tensors on the CPU (StepRecord.host_tensors_gib)
     chunk_tokens: Optional[int] = None    # the chunked loss's tokens per chunk; None: the plain loss
     loss_parts: Any = None                # (decoder, head) for the chunked loss
     compiled: list = field(default_factory=list)
@@ -83,6 +85,13 @@ def prepare(cfg: TrainConfig, callbacks=None, variant: Optional[str] = None, has
     caps = capabilities(device)
     precision = check_runnable(cfg, caps)   # the device's question, asked when a run needs the answer
     check_lora_targets(cfg)
+    if cfg.report_to:
+        # report_to's tracker callbacks (integrations/trackers.py), made now so that a tracker whose package is
+        # missing fails with its pip command before any data or model loads. Imported here, not at the top: the
+        # trackers sit on a higher floor, and a run without report_to never loads them.
+        from ..integrations.trackers import tracker_callbacks
+
+        callbacks = [*(callbacks or []), *tracker_callbacks(cfg)]
     restore = contextlib.ExitStack()
     restore.enter_context(global_torch_state(PRECISION_TABLE[precision]))
     try:
@@ -162,6 +171,7 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
         tokenizer=tokenizer, data=data, model=model, fwd_model=fwd_model, params=params, optimizer=optimizer,
         scheduler=scheduler, scaler=scaler, total_steps=total_steps, info=info,
         nonfinite_policy=cfg.nonfinite or ("skip" if spec.scaler else "stop"),
+        host_tensors=RunTensorBytes(device, model, optimizer),
         chunk_tokens=chunk_tokens, loss_parts=loss_parts, compiled=compiled, lean=lean, init_hash=init_hash,
         variant=variant, notes=notes, stop_file=os.environ.get("NBTRAIN_STOP_FILE"),
         ckpt_dir=Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and dist.rank == 0 else None,
@@ -224,7 +234,7 @@ def auto_batch_size(cfg: TrainConfig, model, params, data, spec, device,
                     chunk_tokens: Optional[int]) -> tuple[TrainConfig, str]:
     """Largest micro batch (a divisor of the effective batch) whose forward+backward on the longest rows fits."""
     eff = cfg.effective_batch_size
-    longest = sorted(range(len(data.train)), key=lambda i: -len(data.train[i]["input_ids"]))
+    longest = sorted(range(len(data.train)), key=lambda i: -len(data.train[i].get("input_ids", ())))
     rng = torch.get_rng_state()  # the trials must not shift dropout randomness of the real run
     tried = []
     chosen = None

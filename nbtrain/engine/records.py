@@ -25,6 +25,9 @@ class StepRecord:
     vram_reserved_gib: Optional[float]
     vram_peak_gib: Optional[float]
     host_rss_gib: float
+    # kw_only keeps this position in the field order while records built without it (older checkpoints and
+    # streams, the HF Trainer callback) stay valid: None there, as on an accelerator
+    host_tensors_gib: Optional[float] = field(default=None, kw_only=True)
     step_time_s: float
     tokens_per_s: float
     elapsed_s: float

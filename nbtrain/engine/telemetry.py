@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterable, Optional
 
 import psutil
 import torch
@@ -24,6 +26,112 @@ def device_memory_gib(device: str) -> tuple[float | None, float | None, float | 
     st = torch.cuda.memory_stats()
     return (st.get("allocated_bytes.all.current", 0) / _GIB, st.get("reserved_bytes.all.current", 0) / _GIB,
             st.get("allocated_bytes.all.peak", 0) / _GIB)
+
+
+class RunTensorBytes:
+    """One run's own tensors on the CPU at the peak of each step, in bytes: what RSS cannot say.
+
+    RSS is the whole process (other runs' models, the notebook's variables, freed memory the allocator keeps).
+    This counts the run's weights, buffers, gradients and optimizer state (unique storages, each once) plus the
+    tensors autograd saves for backward, packed by ``saved_tensors_hooks`` around each micro-batch. Those hooks
+    are thread-local in torch, and the counts live on this object, so concurrent runs never see each other's
+    tensors (a process-wide allocator counter would). Not counted: an op's short-lived temporaries, and what a
+    checkpointed layer recomputes in backward (torch's checkpoint packs it with its own hooks).
+    Disabled (``micro()`` a no-op, ``step_peak()`` None) off the CPU, where the allocator answers."""
+
+    def __init__(self, device: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.enabled = device == "cpu"
+        # listed once: walking the module tree costs more than reading every storage it yields
+        self._params, self._buffers = list(model.parameters()), list(model.buffers())
+        self._optimizer = optimizer
+        self._live: dict[int, list[int]] = {}   # storage address -> [saved references, bytes]
+        self._skip: frozenset[int] = frozenset()
+        self._now = self._saved_peak = self._step_peak = 0
+
+    def _tensors(self) -> Iterable[torch.Tensor]:
+        yield from self._params
+        yield from self._buffers
+        yield from (p.grad for p in self._params if p.grad is not None)
+        for state in self._optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def _persistent(self) -> tuple[int, frozenset[int]]:
+        """Bytes and addresses of the distinct storages the run holds between steps (a tied weight counts once)."""
+        sizes = dict(filter(None, map(_storage, self._tensors())))
+        return sum(sizes.values()), frozenset(sizes)
+
+    def _pack(self, t: torch.Tensor):
+        where = _storage(t)
+        if where is None or where[0] in self._skip:   # a weight (fp32 linear layers save theirs): counted already
+            return t
+        key, nbytes = where
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [1, nbytes]
+            self._now += nbytes
+            self._saved_peak = max(self._saved_peak, self._now)
+        else:
+            entry[0] += 1
+        # detached: the packed object must not hold the tensor's grad_fn, which holds the packed object (a
+        # cycle through C++ that the garbage collector cannot see)
+        return _Saved(self, key, t.detach())
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if type(packed) is _Saved else packed
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if not entry[0]:
+            del self._live[key]
+            self._now -= entry[1]
+
+    @contextlib.contextmanager
+    def micro(self):
+        """Around one micro-batch's forward and backward: its saved tensors on top of what the run holds."""
+        if not self.enabled:
+            yield
+            return
+        # earlier micro-batches' gradients are here all through this one's forward
+        base, self._skip = self._persistent()
+        self._saved_peak = self._now
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._step_peak = max(self._step_peak, base + self._saved_peak)
+
+    def step_peak(self) -> Optional[float]:
+        """The step's peak in GiB, read once per step after the optimizer step and before the gradients go
+        (weights, all gradients and the optimizer state together); starts the next step's window."""
+        if not self.enabled:
+            return None
+        peak = max(self._step_peak, self._persistent()[0])
+        self._step_peak = 0
+        return peak / _GIB
+
+
+def _storage(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(address, bytes) of the storage behind ``t``; None for one without a plain storage (sparse, nested): a
+    training step must not fail for want of a count."""
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return st.data_ptr(), st.nbytes()
+
+
+class _Saved:
+    """A tensor saved for backward, counted until autograd drops it."""
+
+    __slots__ = ("owner", "key", "tensor")
+
+    def __init__(self, owner: RunTensorBytes, key: int, tensor: torch.Tensor):
+        self.owner, self.key, self.tensor = owner, key, tensor
+
+    def __del__(self):
+        self.owner._release(self.key)
 
 
 def reset_peak(device: str) -> None:

@@ -57,6 +57,8 @@ def complete_imports(cfg=None) -> None:
                 optional.append("bitsandbytes")
             if not str(getattr(cfg, "data", "builtin:")).startswith("builtin:"):
                 optional.append("datasets")
+            # report_to's tracker packages (a missing one is reported by prepare(), with its pip command)
+            optional += [{"tensorboard": "torch.utils.tensorboard"}.get(t, t) for t in getattr(cfg, "report_to", ())]
         for name in optional:
             try:
                 _import(name)

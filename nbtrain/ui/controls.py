@@ -14,8 +14,17 @@ from typing import Any, Optional
 import ipywidgets as widgets
 import traitlets
 
-DESCRIPTION_WIDTH = "150px"
-CONTROL_WIDTH = "340px"
+# Sized for JupyterLab's 13 px widget font (about 7 px a character): every description fits its 170 px
+# (up to ~22 characters), and a 390 px control leaves ~500 px of a 968 px output for the help beside it.
+# Fields that hold paths or lists get the wide box, so a typical value is readable without scrolling in it.
+DESCRIPTION_WIDTH = "170px"
+CONTROL_WIDTH = "390px"
+WIDE_CONTROL_WIDTH = "560px"
+
+# The "default" choice of the non-finite policy, spelled out where the dropdown is too narrow for it.
+NONFINITE_TIP = ("default: skip the step when a GradScaler is in use (fp16), else stop the run · "
+                 "skip: drop the update and go on · stop: end the run, naming the step · "
+                 "continue: apply the update anyway")
 
 
 def _style() -> dict:
@@ -47,8 +56,8 @@ class Choice(widgets.HBox):
                 tooltip=f"unavailable here: {why}" if why else tooltips.get(name, ""),
                 layout=widgets.Layout(width="auto", min_width="64px"))
         self._syncing = False
-        label = widgets.Label(description, layout=widgets.Layout(width=DESCRIPTION_WIDTH))
-        super().__init__([label, *self.buttons.values()], **kwargs)
+        self.label = widgets.Label(description, layout=widgets.Layout(width=DESCRIPTION_WIDTH))
+        super().__init__([self.label, *self.buttons.values()], **kwargs)
         for name, button in self.buttons.items():
             button.observe(lambda ch, name=name: self._pressed(name, ch["new"]), names="value")
         self.observe(self._show, names="value")
@@ -146,19 +155,20 @@ def _float(desc: str) -> Callable[[], widgets.Widget]:
     return lambda: widgets.FloatText(description=desc, style=_style(), layout=_layout())
 
 
-def _text(desc: str, placeholder: str = "") -> Callable[[], widgets.Widget]:
-    return lambda: widgets.Text(description=desc, placeholder=placeholder, style=_style(), layout=_layout(),
+def _text(desc: str, placeholder: str = "", width: str = CONTROL_WIDTH) -> Callable[[], widgets.Widget]:
+    return lambda: widgets.Text(description=desc, placeholder=placeholder, style=_style(), layout=_layout(width),
                                 continuous_update=False)
 
 
 def _combo(desc: str, options: list[str], placeholder: str) -> Callable[[], widgets.Widget]:
     return lambda: widgets.Combobox(description=desc, options=options, placeholder=placeholder,
-                                    ensure_option=False, style=_style(), layout=_layout(),
+                                    ensure_option=False, style=_style(), layout=_layout(WIDE_CONTROL_WIDTH),
                                     continuous_update=False)
 
 
-def _dropdown(desc: str, options) -> Callable[[], widgets.Widget]:
-    return lambda: widgets.Dropdown(description=desc, options=options, style=_style(), layout=_layout())
+def _dropdown(desc: str, options, tooltip: str = "") -> Callable[[], widgets.Widget]:
+    return lambda: widgets.Dropdown(description=desc, options=options, tooltip=tooltip, style=_style(),
+                                    layout=_layout())
 
 
 def _check(desc: str) -> Callable[[], widgets.Widget]:
@@ -179,10 +189,12 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
     return {
         "model": Codec(_combo("Model", model_options, "preset, Hub id (org/name) or local directory")),
         "task": Codec(_dropdown("Task", [("causal LM (next token)", "causal-lm"),
-                                         ("sequence classification", "sequence-classification")])),
+                                         ("sequence classification", "sequence-classification"),
+                                         ("image classification", "image-classification")])),
         "data": Codec(_combo("Data", data_options, "builtin:<name>, a file/dir, or a dataset id")),
         "text_column": Codec(_text("Text column")),
         "label_column": Codec(_text("Label column")),
+        "image_column": Codec(_text("Image column")),
         "max_seq_len": Codec(_int("Max seq len (tokens)")),
         "subset": _with_widget(_optional_int("all examples"), _text("Subset (examples)", "all")),
         "precision": Codec(lambda: Choice(("auto", "fp32", "tf32", "fp16", "bf16"), description="Precision",
@@ -194,8 +206,8 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "lora_r": Codec(_int("LoRA rank r")),
         "lora_alpha": Codec(_float("LoRA alpha")),
         "lora_dropout": Codec(_float("LoRA dropout (0-1)")),
-        "lora_targets": Codec(_text("LoRA targets", "all-linear, or q_proj, v_proj"), encode_targets,
-                              decode_targets),
+        "lora_targets": Codec(_text("LoRA targets", "all-linear, or q_proj, v_proj", WIDE_CONTROL_WIDTH),
+                              encode_targets, decode_targets),
         "quant_bits": Codec(_dropdown("Quantised base", [("4-bit (nf4)", 4), ("8-bit (int8)", 8)])),
         "gradient_checkpointing": Codec(_check("Gradient checkpointing")),
         "lr": Codec(_float("Learning rate")),
@@ -211,11 +223,11 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
                                    _text("Eval every (steps)", "blank: at the end")),
         "log_every": Codec(_int("Log every (steps)")),
         "seed": Codec(_int("Seed")),
-        "output_dir": _with_widget(_optional_str("not saving"), _text("Output dir", "blank: don't save")),
-        "nonfinite": Codec(_dropdown("Non-finite step", [("default (skip with scaler, else stop)",
-                                                          _NONFINITE_DEFAULT),
-                                                         ("skip it", "skip"), ("stop the run", "stop"),
-                                                         ("continue (apply it)", "continue")]),
+        "output_dir": _with_widget(_optional_str("not saving"),
+                                   _text("Output dir", "blank: don't save", WIDE_CONTROL_WIDTH)),
+        "nonfinite": Codec(_dropdown("Non-finite step", [("default", _NONFINITE_DEFAULT), ("skip it", "skip"),
+                                                         ("stop the run", "stop"),
+                                                         ("continue (apply it)", "continue")], NONFINITE_TIP),
                            lambda v: _NONFINITE_DEFAULT if v is None else v,
                            lambda x: None if x == _NONFINITE_DEFAULT else x),
         "chunked_loss": Codec(_check("Chunked loss (causal LM)")),
@@ -224,7 +236,8 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "lean_layers": Codec(_check("Lean layers")),
         "auto_batch_size": Codec(_check("Auto micro batch")),
         "save_every": _with_widget(_optional_int("no checkpoints"), _text("Checkpoint every", "blank: never")),
-        "resume_from": _with_widget(_optional_str("starting fresh"), _text("Resume from", "blank: fresh run")),
+        "resume_from": _with_widget(_optional_str("starting fresh"),
+                                    _text("Resume from", "blank: fresh run", WIDE_CONTROL_WIDTH)),
     }
 
 

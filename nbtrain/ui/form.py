@@ -20,7 +20,7 @@ from .controls import Choice, Codec, make_codecs, yaml_codec
 # Which tab each field lives on. A field not listed here lands on "Training" (see section_of).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Model": ("model", "task"),
-    "Data": ("data", "text_column", "label_column", "max_seq_len", "subset", "packing", "eval_fraction"),
+    "Data": ("data", "text_column", "label_column", "image_column", "max_seq_len", "subset", "packing", "eval_fraction"),
     "Precision": ("precision",),
     "Accumulation": ("micro_batch_size", "grad_accum_steps", "auto_batch_size"),
     "Method": ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
@@ -44,6 +44,8 @@ METHOD_HINTS: dict[str, str] = {
     "qlora": "LoRA on a 4/8-bit quantised frozen base (bitsandbytes): the least weight memory",
 }
 
+# A model is a directory (or a preset, or a Hub id): a value ending like one of its files is a mistyped path.
+_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 _MACHINE_FIELDS = ("precision", "method")   # what capabilities() can rule out on this machine
 
@@ -53,6 +55,19 @@ def section_of(field: str) -> str:
         if field in fields:
             return section
     return "Training"
+
+
+def _data_path_like(name: str) -> bool:
+    """Whether a data value that is not on disk reads as a path rather than a dataset id: the loader's own rule,
+    so the info line says what a run would do."""
+    from ..data.loading import _looks_like_path
+
+    return _looks_like_path(name)
+
+
+def _missing_model(name: str) -> str:
+    return (f"no such directory: {render.esc(name)} (a model is a preset, a local directory with config.json, "
+            "or a Hub id like org/name)")
 
 
 def help_text(name: str) -> str:
@@ -75,6 +90,11 @@ class Form:
         self.codecs = self._make_codecs()
         self.controls: dict[str, widgets.Widget] = {name: codec.make() for name, codec in self.codecs.items()}
         self.help = {name: widgets.HTML(render.small(render.esc(help_text(name)))) for name in self.controls}
+        for name, w in self.controls.items():
+            # The help also on hover, where the row is too narrow to show it beside the field.
+            target = w.label if isinstance(w, Choice) else w
+            if not target.tooltip:
+                target.tooltip = help_text(name)
         self.rows = {name: self._row(name) for name in self.controls}
         self.model_info = widgets.HTML()
         self.data_info = widgets.HTML()
@@ -232,22 +252,37 @@ class Form:
 
     def _update_model_info(self, raw: dict) -> None:
         name = str(raw["model"]).strip()
+        if not name:   # Path("") is the working directory: say nothing, the error box names the blank field
+            self.model_info.value = ""
+            return
         try:
-            from ..models import PRESETS, resolve_source
-
-            src = resolve_source(name)
-            if src.kind == "preset":
-                text = f"preset: {render.esc(PRESETS[name].description)}"
-            elif src.kind == "local":
-                text = f"local directory {render.esc(src.name)}"
-            else:
-                text = "Hugging Face Hub id: downloaded on first use (needs network, or the local cache)"
-            self.model_info.value = render.small(text)
-        except Exception as e:
+            from ..models import PRESETS, ModelError, resolve_source
+        except Exception as e:  # the model package failing to import must not take the panel down
             self.model_info.value = render.small(render.esc(e), render.AMBER)
+            return
+        try:
+            src = resolve_source(name)
+        except ModelError as e:
+            # A path-like value that is not there, or a file where a directory belongs.
+            missing = not Path(name).expanduser().exists()
+            self.model_info.value = (render.small(_missing_model(name), render.RED) if missing
+                                     else render.small(render.esc(e), render.RED))
+            return
+        if src.kind == "preset":
+            text, color = f"preset: {render.esc(PRESETS[name].description)}", render.GREY
+        elif src.kind == "local":
+            text, color = f"local directory {render.esc(src.name)}", render.GREY
+        elif Path(name).suffix.lower() in _MODEL_FILE_SUFFIXES:
+            # resolve_source reads it as a Hub id, but it names a model's file, and that file is not here
+            text, color = _missing_model(name), render.RED
+        else:
+            text = "Hugging Face Hub id: downloaded on first use (needs network, or the local cache)"
+            color = render.GREY
+        self.model_info.value = render.small(text, color)
 
     def _update_data_info(self, raw: dict) -> None:
         name = str(raw["data"]).strip()
+        color = render.GREY
         if name.startswith("builtin:"):
             try:
                 from ..data import BUILTINS
@@ -255,16 +290,23 @@ class Form:
                 desc = BUILTINS.get(name[len("builtin:"):])
             except Exception:
                 desc = None
-            text = f"builtin: {render.esc(desc)}" if desc else render.esc(f"unknown builtin dataset {name!r}")
+            if desc:
+                text = f"builtin: {render.esc(desc)}"
+            else:
+                text, color = render.esc(f"unknown builtin dataset {name!r}"), render.RED
         elif name and Path(name).expanduser().exists():
             p = Path(name).expanduser()
             text = (f"local {'directory' if p.is_dir() else (p.suffix.lstrip('.') or 'file')}: "
                     f"{render.esc(p.resolve())}")
+        elif name and _data_path_like(name):
+            # What a run would refuse ("does not exist"), said before the run: not a dataset id either.
+            text, color = f"no such file or folder: {render.esc(name)}", render.RED
         else:
             text = "dataset id (Hugging Face Hub): downloaded on first use"
-        self.data_info.value = render.small(text)
-        # The label column only matters for classification.
-        self.controls["label_column"].disabled = raw["task"] != "sequence-classification"
+        self.data_info.value = render.small(text, color)
+        # The label column only matters for classification, the image column only for images.
+        self.controls["label_column"].disabled = raw["task"] == "causal-lm"
+        self.controls["image_column"].disabled = raw["task"] != "image-classification"
 
     def _update_accumulation_info(self, raw: dict) -> None:
         try:

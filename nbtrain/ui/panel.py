@@ -13,6 +13,7 @@ finished on the user's thread first, and interpreter exit stops and joins whatev
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from pathlib import Path
 from typing import Optional
@@ -97,6 +98,10 @@ class Panel:
     stop_button = property(lambda self: self.runner.stop_button)
     compare_button = property(lambda self: self.runner.compare_button)
     compare_choices = property(lambda self: self.runner.compare_choices, doc="precision -> its Compare tick box")
+    seeds_control = property(lambda self: self.runner.seeds_control,
+                             doc="Compare's noise band: how many extra seeds of the reference to run (0: none)")
+    difference_view = property(lambda self: self.runner.difference_view,
+                               doc="the difference panel shown after the last Compare (None before one)")
     status = property(lambda self: self.runner.status, doc="the status line")
     notes = property(lambda self: self.runner.notes, doc="the last run's notes and out-of-memory advice")
     dashboard_area = property(lambda self: self.runner.dashboard_area)
@@ -241,10 +246,25 @@ class Panel:
             return None
         return cfg
 
+    def _run_error_field(self, error: dict) -> Optional[str]:
+        """The control a run's error is about: its field, or the first word of it. A ModelError says
+        "model 'NAME': ...", which reaches here as the field "model 'NAME'"."""
+        for text in (str(error.get("field") or ""), str(error.get("message") or "")):
+            if text in self.controls:
+                return text
+            head = re.match(r"[A-Za-z_]\w*", text)
+            if head and head.group() in self.controls and text[head.end():head.end() + 1] in (" ", ":", ""):
+                return head.group()
+        return None
+
     def _mark_run_errors(self, errors: list[dict]) -> None:
-        # A run that failed on a field (a ConfigError from its prepare phase, a DataError "data: ..."):
-        # mark that field as the form marks its own errors, and show its tab.
-        known = [e for e in errors if e.get("field") in self.controls]
+        # A run that failed on a field (a ConfigError from its prepare phase, a DataError "data: ...", a
+        # ModelError "model 'x': ..."): mark that field as the form marks its own errors, and show its tab.
+        known = []
+        for e in errors:
+            field = self._run_error_field(e)
+            if field is not None:
+                known.append({**e, "field": field})
         if known:
             self.form.show_errors(known)
             self.form.select(known[0]["field"])

@@ -1,4 +1,4 @@
-"""The panel's HTML: status, result and error lines, notes, tables, and the info lines under the fields.
+"""The panel's HTML: status, result and error lines, notes, and the info lines under the fields.
 Pure functions from values to strings; no widgets, no state. (The memory readout is
 :func:`nbtrain.memory.estimate_html`.)"""
 
@@ -137,10 +137,21 @@ def notes_block(runs: list) -> str:
     return "<div style='margin-top:2px'>" + "".join(parts) + "</div>" if parts else ""
 
 
-def table_html(table) -> str:
-    """A comparison table (DataFrame) as a scrollable HTML table."""
-    try:
-        body = table.to_html(float_format=lambda v: f"{v:.4g}", border=0, na_rep="—")
-    except Exception:
-        body = f"<pre>{esc(table)}</pre>"
-    return f"<div style='overflow-x:auto'>{body}</div>"
+def comparison_line(cmp) -> str:
+    """The status line of a finished Compare: how it ended and, unless every variant finished, what became
+    of each ("stopped — finished: fp32; cut at step 3: fp16; not run: bf16")."""
+    if not cmp.stopped and len(cmp.finished) == len(cmp.completion):
+        return esc(f"done — compared {', '.join(cmp.finished)}")
+    groups: dict[str, list[str]] = {}
+    for name in cmp.completion:
+        groups.setdefault(cmp.ended(name) or "finished", []).append(name)
+    return esc(f"{cmp.stopped or 'done'} — " + "; ".join(f"{how}: {', '.join(names)}"
+                                                       for how, names in groups.items()))
+
+
+def comparison_color(cmp) -> str:
+    """Green when every variant finished, red when none has anything to show, amber in between."""
+    if not cmp.stopped and len(cmp.finished) == len(cmp.completion):
+        return GREEN
+    return AMBER if cmp.results or cmp.stopped else RED
+

@@ -20,9 +20,12 @@ from ..engine.threads import spawn
 from ..hardware import PRECISIONS
 from . import render
 
+MAX_EXTRA_SEEDS = 4   # each is one more run of the reference: the noise band's cost grows with it
+
 
 class Job:
-    """One Train or Compare press: its kind, stop request, run (Train) and completion."""
+    """One Train or Compare press: its kind, stop request, run (Train) and completion; for a Compare, its
+    variants and the extra seeds of the reference run after them."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -30,6 +33,8 @@ class Job:
         self.done = threading.Event()
         self.finished = False
         self.run = None
+        self.variants: tuple[str, ...] = ()
+        self.extra_seeds: tuple[int, ...] = ()
 
     def halt(self) -> None:
         """Ask this job to end after the current step (no widget updates: also called at interpreter exit)."""
@@ -50,8 +55,7 @@ class StatusCallback:
         self._last = 0.0
 
     def on_run_start(self, info) -> None:
-        # A Stop during a comparison ends each later variant at its first step (on_step_end below), so
-        # its row says "stopped"; raising here would end it with no steps but an untrue "max_steps".
+        # A Stop during a comparison ends it through compare(stop=...): the later variants never start.
         self.total, self.variant = info.total_steps, info.variant
         where = f"{info.device} · {info.precision_used}" + (" + GradScaler" if info.scaler_enabled else "")
         self.runner.set_status(f"running{self._name()}: step 0/{self.total} ({where})", render.GREY)
@@ -69,6 +73,13 @@ class StatusCallback:
     def on_run_end(self, result) -> None:
         if self.job.kind == "train":
             self.runner.finish(self.job, result=result)
+        elif (self.job.extra_seeds and self.job.variants and self.variant == self.job.variants[-1]
+              and not self.job.stop.is_set()):
+            # The seed runs take no callbacks: without this the line would go on showing the last variant.
+            n = len(self.job.extra_seeds)
+            self.runner.set_status(f"noise band: running {self.job.variants[0]} under {n} extra seed"
+                                   f"{'s' if n > 1 else ''} ({', '.join(map(str, self.job.extra_seeds))})…",
+                                   render.GREY)
 
     def _name(self) -> str:
         return f" {self.variant}" if self.variant else ""
@@ -110,8 +121,17 @@ class Runner:
                                 indent=False, layout=widgets.Layout(width="auto", margin="0 8px 0 0"),
                                 tooltip=caps.reasons.get(p) or hints[p])
             for p in PRECISIONS}
+        self.seeds_control = widgets.Dropdown(
+            options=[("off", 0)] + [(f"{n} extra seed{'s' if n > 1 else ''}", n)
+                                    for n in range(1, MAX_EXTRA_SEEDS + 1)],
+            value=0, description="noise band:", style={"description_width": "90px"},
+            layout=widgets.Layout(width="230px", margin="0 0 0 8px"),
+            tooltip="run the first precision again under this many other seeds after the comparison: the spread "
+                    "of their loss is the band a precision's difference is judged against (one extra run each)")
+        self.difference_view = None   # the difference panel shown after a Compare
         self.dashboard_area = widgets.VBox()
-        compare_row = widgets.HBox([widgets.HTML(render.small("compare:")), *self.compare_choices.values()],
+        compare_row = widgets.HBox([widgets.HTML(render.small("compare:")), *self.compare_choices.values(),
+                                    self.seeds_control],
                                    layout=widgets.Layout(align_items="center", margin="0 0 0 12px"))
         self.buttons_row = widgets.HBox([self.train_button, self.stop_button, self.compare_button, compare_row],
                                         layout=widgets.Layout(align_items="center", flex_flow="row wrap"))
@@ -127,6 +147,11 @@ class Runner:
     def compare_precisions(self) -> tuple[str, ...]:
         """The precisions Compare runs: the ticked ones this device can run."""
         return tuple(p for p, box in self.compare_choices.items() if box.value and p not in self.caps.reasons)
+
+    def compare_seeds(self, cfg) -> tuple[int, ...]:
+        """The ``seeds`` Compare passes: cfg's own seed and the next N (the noise-band control), or ()."""
+        n = int(self.seeds_control.value or 0)
+        return tuple((cfg.seed + i) % 2 ** 32 for i in range(n + 1)) if n else ()
 
     # -- starting -------------------------------------------------------------------------------
     def begin(self, kind: str) -> Job:
@@ -176,18 +201,23 @@ class Runner:
         else:
             self.finish(job, result=result)
 
-    def compare(self, cfg, precisions: tuple[str, ...]) -> None:
-        """Start a Compare of ``cfg`` over ``precisions`` in the background."""
+    def compare(self, cfg, precisions: tuple[str, ...], seeds: Optional[tuple[int, ...]] = None) -> None:
+        """Start a Compare of ``cfg`` over ``precisions`` in the background; ``seeds`` (default: from the
+        noise-band control) adds the reference's seed runs."""
         from ..compare import compare
 
+        seeds = self.compare_seeds(cfg) if seeds is None else tuple(seeds)
         job = self.begin("compare")
+        job.variants, job.extra_seeds = tuple(precisions), tuple(s for s in seeds if s != cfg.seed)
         dash = self._new_dashboard()
-        self.set_status(f"comparing {', '.join(precisions)}…", render.GREY)
+        n = len(job.extra_seeds)
+        extra = f" + {n} seed run{'s' if n > 1 else ''}" if n else ""
+        self.set_status(f"comparing {', '.join(precisions)}{extra}…", render.GREY)
         callbacks = [dash, StatusCallback(self, job), *self.callbacks]
 
         def work():
             try:
-                cmp = compare(cfg, precisions=precisions, callbacks=callbacks)
+                cmp = compare(cfg, precisions=precisions, callbacks=callbacks, stop=job.stop, seeds=seeds)
             except BaseException as e:
                 self.finish(job, error=e)
             else:
@@ -197,7 +227,7 @@ class Runner:
 
     # -- stopping and ending --------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop the running Train or Compare after the current step; history is kept."""
+        """Stop the running Train, or the whole Compare, after the current step; history is kept."""
         job = self.job
         if job is None or job.finished:
             return
@@ -223,6 +253,7 @@ class Runner:
         try:
             if error is not None:
                 self.set_status(f"error: {render.esc(f'{type(error).__name__}: {error}')}", render.RED)
+                self._settle_dashboard()
                 errors = _field_errors(error)
                 if errors:
                     self.on_field_error(errors)
@@ -230,12 +261,12 @@ class Runner:
                 self.result = result
                 self.set_status(render.result_line(result), render.status_color(result))
                 self.notes.value = render.notes_block([(None, result)])
-                self._show_static()
+                self._settle_dashboard()
             else:
                 self.comparison = comparison
-                self.set_status(("stopped" if job.stop.is_set() else "done")
-                                + f" — compared {', '.join(map(str, comparison.results))}", render.GREEN)
+                self.set_status(*_comparison_status(comparison))
                 self.notes.value = render.notes_block(list((getattr(comparison, "results", None) or {}).items()))
+                self._settle_dashboard()
                 self._show_comparison(comparison)
         finally:
             self.train_button.disabled = False
@@ -243,31 +274,61 @@ class Runner:
             self.stop_button.disabled = True
             job.done.set()
 
-    def _show_static(self) -> None:
-        # Without a FigureWidget the live view is empty; show the finished figure instead.
-        if self.dashboard is None or self.dashboard.widget is not None:
+    def _settle_dashboard(self) -> None:
+        """The finished figure alone: the live status line above it goes, its step count and ETA being stale
+        once the run has ended (the runner's status line says how it ended). A line instead of an empty
+        figure when no step ran (a run that failed while loading, a Compare stopped before its first step)."""
+        dash = self.dashboard
+        if dash is None:
             return
-        from ..viz.views import static_bundle
+        if not dash.records:
+            self.dashboard_area.children = (widgets.HTML(render.small("no steps ran: nothing to plot")),)
+        elif dash.widget is not None:
+            self.dashboard_area.children = (dash.figure,)
+        else:   # no FigureWidget: the live view was empty; show the finished figure instead
+            from ..viz.views import static_bundle
 
-        out = widgets.Output()
-        out.outputs = ({"output_type": "display_data", "data": static_bundle(self.dashboard.figure),
-                        "metadata": {}},)
-        self.dashboard_area.children = (out,)
+            out = widgets.Output()
+            out.outputs = ({"output_type": "display_data", "data": static_bundle(dash.figure), "metadata": {}},)
+            self.dashboard_area.children = (out,)
 
     def _show_comparison(self, cmp) -> None:
-        table = getattr(cmp, "table", None)
-        if table is None:
+        # The verdicts, the compact table, its notes and the full table behind a toggle, under the figure;
+        # then the difference panel the verdicts are read from.
+        if getattr(cmp, "table", None) is None:
             return
-        self.comparison_table = widgets.HTML(render.table_html(table))
-        self._show_static()
-        self.dashboard_area.children = (*self.dashboard_area.children, self.comparison_table)
+        self.comparison_table = widgets.HTML(cmp.summary_html(details=True),
+                                             layout=widgets.Layout(max_width="100%"))
+        shown = [self.comparison_table]
+        self.difference_view = None
+        if hasattr(cmp, "difference_figure") and (len(cmp.results) > 1 or cmp.band is not None):
+            from ..viz.views import static_bundle
+
+            self.difference_view = widgets.Output(layout=widgets.Layout(max_width="100%"))
+            self.difference_view.outputs = ({"output_type": "display_data", "metadata": {},
+                                             "data": static_bundle(cmp.difference_figure())},)
+            shown.append(self.difference_view)
+        self.dashboard_area.children = (*self.dashboard_area.children, *shown)
+
+
+def _comparison_status(cmp) -> tuple[str, str]:
+    if getattr(cmp, "completion", None) is None:   # a stand-in without the ComparisonResult API
+        names = ", ".join(map(str, getattr(cmp, "results", None) or {}))
+        return render.esc(f"done — compared {names}"), render.GREEN
+    return render.comparison_line(cmp), render.comparison_color(cmp)
 
 
 def _field_errors(error: BaseException) -> list[dict]:
     """The fields a run's error names: a ConfigError's own list (``field`` "precision", "method", ...),
-    else an error whose message starts with a field name (``DataError("data: ...")``)."""
+    else an error whose message starts with a field name (``DataError("data: ...")``). The messages lose
+    that leading "field:": the error box shows the field already, and "data: data: ..." reads as a glitch."""
     errors = [e for e in (getattr(error, "errors", None) or []) if isinstance(e, dict) and e.get("field")]
-    if errors:
-        return errors
-    field = getattr(error, "field", None) or str(error).split(":", 1)[0].strip()
-    return [{"field": field, "message": str(error)}] if field else []
+    if not errors:
+        field = getattr(error, "field", None) or str(error).split(":", 1)[0].strip()
+        errors = [{"field": field, "message": str(error)}] if field else []
+    return [{**e, "message": _without_field(e["field"], e.get("message", ""))} for e in errors]
+
+
+def _without_field(field: str, message: str) -> str:
+    head, sep, rest = str(message).partition(":")
+    return rest.strip() if sep and head.strip() == field and rest.strip() else str(message)

@@ -12,11 +12,12 @@ _WHERE = {
     "LiveDashboard": "dashboard", "detect_mode": "dashboard",
     "static_bundle": "views",
     "status_line": "text", "summary_text": "text", "notes_html": "text", "notes_text": "text",
+    "figure_title": "text",
     "ProgressBar": "progress",
     "Tracker": "tracker",
     **{name: "figures" for name in (
         "PANELS", "add_run_traces", "columns", "compare_figure", "find_trace", "find_traces", "iter_runs",
-        "make_run_layout", "run_figure", "runs_figure", "smooth", "trace_specs")},
+        "make_run_layout", "run_figure", "runs_figure", "scale_axis", "set_title", "smooth", "trace_specs")},
 }
 
 __all__ = sorted(_WHERE)

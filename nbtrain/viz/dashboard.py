@@ -17,12 +17,18 @@ Where it draws (``mode``), decided once when the dashboard is made:
    the figure shown through a display handle updated in place (at most once a second).
 
 In ``widget`` and ``html`` mode the end of each run replaces the live view, through the same display
-handle, by a static copy: the plotly JSON (``application/vnd.plotly.v1+json``, drawn by the plotly
-renderer in JupyterLab/Notebook 7/VS Code with no network and no notebook trust) plus ``text/html``
+handle, by a static copy, titled in one line with the runs' names and precisions (the summary is the
+status line above it, its one place): the plotly JSON (``application/vnd.plotly.v1+json``, drawn by the
+plotly renderer in JupyterLab/Notebook 7/VS Code with no network and no notebook trust) plus ``text/html``
 that loads plotly.js from its CDN (``static_plotlyjs="cdn"``, about 10 kB per figure; pass
 ``"inline"`` to embed plotly.js, ~4.6 MB per figure, for HTML viewers without network) and a
 text summary. A saved and reopened notebook therefore shows the result although widget state is
 gone. ``clear_output`` is never called.
+
+A ``FigureWidget`` whose live view was replaced that way is never written to again: plotly's front end keeps
+the removed view's listeners on the widget's model, and every later message to that model reaches the
+purged graph div and fails in the browser ("Error setting state: gd.data must be an array"). The next run
+draws on a new ``FigureWidget``, built complete before it is shown; the old one is closed.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import time
 from typing import Any, Optional
 
 from . import figures
+from .text import figure_title
 from .tracker import Tracker
 from .views import HtmlView, TextView, WidgetView
 
@@ -119,6 +126,7 @@ class LiveDashboard:
         self.smoothing = float(smoothing)
         self.static_plotlyjs = static_plotlyjs
         self.redraws = 0
+        self._scale_axis: Optional[dict] = None   # the loss-scale ticks last sent to the figure
         self._draw_lock = threading.Lock()    # one redraw at a time
         if self.mode == "widget":
             import plotly.graph_objects as go
@@ -172,7 +180,8 @@ class LiveDashboard:
         run = self.tracker.end(result)
         self._redraw(force=True)
         current = (run.summary(), run.result) if run is not None else None
-        self.view.run_end(self.figure, self.tracker.summaries(), current)
+        self.view.run_end(self.figure, self.tracker.summaries(), current,
+                          title=figure_title(self.tracker.infos()))
 
     # -- drawing ----------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -197,6 +206,16 @@ class LiveDashboard:
 
     def _update_figure(self, snap: dict) -> bool:
         specs, rebuild = self.tracker.plan(snap, self.smoothing)
+        axis = figures.runs_scale_axis(snap)
+        if self.view.retired:
+            # The widget's live view was replaced by a static copy; messages to it would reach that dead
+            # view (see the module doc). A new widget, complete before anyone shows it, takes its place.
+            import plotly.graph_objects as go
+
+            self.figure = self.view.replace_figure(
+                go.FigureWidget(figures.runs_figure(snap, smoothing=self.smoothing)))
+            self._scale_axis = axis
+            return True
         fig = self.figure
         if rebuild:
             # Rebuilt in place, so that a displayed FigureWidget stays the same object.
@@ -205,6 +224,7 @@ class LiveDashboard:
                 fig.data = ()
                 fig.add_traces(list(new.data))
                 fig.layout = new.layout
+            self._scale_axis = axis
             return True
         with fig.batch_update():
             for tr, spec in zip(fig.data, specs):
@@ -214,6 +234,11 @@ class LiveDashboard:
                     tr.hovertext = spec["hovertext"]
                 if "text" in spec:
                     tr.text = spec["text"]
+            if axis != self._scale_axis:   # a skipped step halved the scale: label the new power of two
+                yaxis = fig.get_subplot(figures.PANEL_ROWS["scale"], 1).yaxis
+                for key, value in axis.items():   # item by item: update() would open a batch of its own
+                    yaxis[key] = value
+                self._scale_axis = axis
         return False
 
     def __repr__(self) -> str:

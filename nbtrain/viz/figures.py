@@ -21,8 +21,8 @@ PANELS: tuple[str, ...] = ("loss", "grad_norm", "scale", "memory")
 PANEL_ROWS: dict[str, int] = {p: i + 1 for i, p in enumerate(PANELS)}
 
 _FLOAT_COLS = ("step", "epoch", "tokens", "loss", "lr", "grad_norm", "scale", "vram_allocated_gib",
-               "vram_reserved_gib", "vram_peak_gib", "host_rss_gib", "step_time_s", "tokens_per_s",
-               "elapsed_s")
+               "vram_reserved_gib", "vram_peak_gib", "host_rss_gib", "host_tensors_gib", "step_time_s",
+               "tokens_per_s", "elapsed_s")
 _BOOL_COLS = ("clipped", "skipped", "nonfinite")
 _EVAL_COLS = ("step", "eval_loss")
 
@@ -32,7 +32,13 @@ _NONFINITE_STYLE = dict(symbol="diamond-open", size=11, color="#ff7f0e", line=di
 # Single-run colours, one per quantity (overlays colour by run instead).
 _SOLO = dict(loss="#9ecae1", loss_ema="#1f77b4", eval_loss="#ff7f0e", grad_norm="#2ca02c",
              clip_threshold="#7f7f7f", clipped="#9467bd", scale="#8c564b", vram_allocated="#1f77b4",
-             vram_reserved="#17becf", vram_peak="#d62728", device_total="#7f7f7f", host_rss="#1f77b4")
+             vram_reserved="#17becf", vram_peak="#d62728", device_total="#7f7f7f", host_rss="#1f77b4",
+             host_tensors="#1f77b4", host_rss_secondary="#9e9e9e")
+# What process RSS is, wherever it is drawn next to the run's own tensors.
+RSS_NOTE = "process RSS — whole process, includes earlier runs and libraries"
+MAX_SCALE_TICKS = 6    # more labels than this on the scale axis crowd into each other
+TITLE_FONT = 14        # figure title
+SUBPLOT_TITLE_FONT = 16  # make_subplots' default for panel titles
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,6 +189,43 @@ def _scaler_used(c: dict[str, np.ndarray], info: Any) -> bool:
     return bool(np.isfinite(c["scale"]).any())
 
 
+def _tensors_measured(c: dict[str, np.ndarray]) -> bool:
+    # Older histories (and accelerator runs) have no host_tensors_gib: they fall back to RSS.
+    return bool(np.isfinite(c.get("host_tensors_gib", np.array([]))).any())
+
+
+def _loss_unit(infos: Iterable[Any]) -> str:
+    tasks = {getattr(getattr(i, "config", None), "task", None) for i in infos}
+    return "nats/example" if "sequence-classification" in tasks else "nats/token"
+
+
+def _pow2_text(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1 else f"{v:g}"
+
+
+def scale_axis(values: Any) -> dict:
+    """Y-axis settings of the loss-scale panel: log, ticks at the powers of two spanning ``values``,
+    labelled in full ("65,536"); no labels when there is no scale to show."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    v = v[np.isfinite(v) & (v > 0)]
+    if not v.size:
+        return dict(type="log", tickmode="array", tickvals=[], ticktext=[], showticklabels=False)
+    lo, hi = math.floor(math.log2(float(v.min()))), math.ceil(math.log2(float(v.max())))
+    if lo == hi:   # a constant scale: its neighbours give the single value some context
+        lo, hi = lo - 1, hi + 1
+    step = max(1, math.ceil((hi - lo + 1) / MAX_SCALE_TICKS))
+    # Counted down from the top, so the initial scale (the usual maximum) always gets a label.
+    vals = [2.0 ** k for k in reversed(range(hi, lo - 1, -step))]
+    return dict(type="log", tickmode="array", tickvals=vals, ticktext=[_pow2_text(x) for x in vals],
+                showticklabels=True)
+
+
+def runs_scale_axis(runs: Mapping[str, tuple]) -> dict:
+    """:func:`scale_axis` over every run of ``runs`` (name -> ``(columns, eval, info)``)."""
+    vals = [c["scale"] for c, _, _ in runs.values()]
+    return scale_axis(np.concatenate(vals) if vals else [])
+
+
 # ------------------------------------------------------------------------------------------------
 # Trace specs (plain dicts, cheap: the live dashboard copies their data into existing traces)
 # ------------------------------------------------------------------------------------------------
@@ -239,8 +282,9 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
         mode="markers", marker=dict(symbol="triangle-down", size=6, **line("clipped")))
 
     # scale panel ----------------------------------------------------------------------------
-    add("scale", "scale", "loss scale", legend=not overlay, x=x, y=c["scale"], mode="lines+markers",
-        marker=dict(size=3), line=dict(shape="hv", **line("scale")))
+    # A run without a GradScaler has nothing to show here: no legend entry for an empty line.
+    add("scale", "scale", "loss scale", legend=not overlay and _scaler_used(c, info), x=x, y=c["scale"],
+        mode="lines+markers", marker=dict(size=3), line=dict(shape="hv", **line("scale")))
 
     # memory panel ---------------------------------------------------------------------------
     if _uses_vram(c, info):
@@ -257,9 +301,19 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
             add("memory", "device_total", f"device total {total:.1f} GiB", legend=not overlay,
                 x=[float(np.nanmin(x)), float(np.nanmax(x))], y=[float(total)] * 2, mode="lines",
                 line=dict(dash="dash", width=1, **line("device_total")), hoverinfo="skip")
+    elif _tensors_measured(c):
+        # The run's own tensors are what the run costs; RSS also counts earlier runs and libraries.
+        add("memory", "host_tensors", "run tensors (GiB)", legend=not overlay, x=x, y=c["host_tensors_gib"],
+            mode="lines", line=dict(width=2, **line("host_tensors")))
+        if not overlay:
+            add("memory", "host_rss", "process RSS (whole process)", x=x, y=c["host_rss_gib"], mode="lines",
+                line=dict(dash="dot", width=1, color=_SOLO["host_rss_secondary"]), opacity=0.8,
+                hovertemplate="step %{x}<br>%{y:.2f} GiB<br>" + RSS_NOTE + "<extra></extra>")
+        mem_ref = c["host_tensors_gib"]
     else:
         add("memory", "host_rss", "host memory (process RSS)", legend=not overlay, x=x,
-            y=c["host_rss_gib"], mode="lines", line=line("host_rss"))
+            y=c["host_rss_gib"], mode="lines", line=line("host_rss"),
+            hovertemplate="step %{x}<br>%{y:.2f} GiB<br>" + RSS_NOTE + "<extra></extra>")
         mem_ref = c["host_rss_gib"]
 
     # skipped / non-finite markers, in every panel ---------------------------------------------
@@ -322,43 +376,88 @@ def add_run_traces(fig: go.Figure, history: Any, eval_history: Any = None, info:
 # ------------------------------------------------------------------------------------------------
 # Figures
 # ------------------------------------------------------------------------------------------------
-def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = 820) -> go.Figure:
-    """An empty 4-panel figure (loss, grad norm, loss scale, memory) sharing the step axis."""
+SCALE_TITLE = "loss scale (GradScaler)"
+
+
+def _axis_titles(fig: go.Figure, titles: Mapping[tuple[int, int], str]) -> None:
+    for (row, col), text in titles.items():
+        fig.update_yaxes(title_text=text, title_font=dict(size=12), automargin=True, row=row, col=col)
+
+
+def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = 820,
+                    loss_unit: str = "nats/token") -> go.Figure:
+    """An empty 4-panel figure (loss, grad norm, loss scale, memory) sharing the step axis, each y axis
+    titled with its unit."""
     fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
-                        subplot_titles=("loss", "gradient norm (unscaled, before clipping)",
-                                        "loss scale (GradScaler)", memory_title))
+                        subplot_titles=("loss", "gradient norm (unscaled, before clipping)", SCALE_TITLE,
+                                        memory_title))
     fig.update_yaxes(type="log", row=2, col=1)
-    fig.update_yaxes(type="log", row=3, col=1)
-    fig.update_yaxes(title_text="GiB", row=4, col=1)
+    fig.update_yaxes(row=3, col=1, **scale_axis([]))
+    _axis_titles(fig, {(1, 1): f"loss ({loss_unit})", (2, 1): "grad norm (L2)", (3, 1): "loss scale",
+                       (4, 1): "memory (GiB)"})
     fig.update_xaxes(title_text="optimizer step", row=4, col=1)
     # uirevision keeps the user's zoom across live redraws.
-    fig.update_layout(height=height, margin=dict(l=60, r=20, t=60, b=50), hovermode="closest",
+    fig.update_layout(height=height, margin=dict(l=70, r=20, t=60, b=50), hovermode="closest",
                       uirevision="nbtrain", legend=dict(groupclick="togglegroup"),
                       template="plotly_white")
+    return fig
+
+
+def set_title(fig: go.Figure, text: Optional[str]) -> go.Figure:
+    """Give ``fig`` a left-aligned title (None or "": none) and a top margin that holds it above the first
+    panel titles, so the two never overlap."""
+    if not text:
+        fig.update_layout(title=dict(text=""))
+        return fig
+    lines = text.count("<br>") + 1
+    pad = 8
+    # Title lines, then the first row's panel titles (drawn just above the plot area), then a gap.
+    top = pad + math.ceil(lines * TITLE_FONT * 1.5) + math.ceil(SUBPLOT_TITLE_FONT * 1.5) + 8
+    fig.update_layout(title=dict(text=text, x=0.01, xanchor="left", y=1, yref="container", yanchor="top",
+                                 pad=dict(t=pad), font=dict(size=TITLE_FONT)),
+                      margin=dict(t=max(top, fig.layout.margin.t or 0)))
     return fig
 
 
 def _memory_title(runs: Mapping[str, tuple]) -> str:
     if any(_uses_vram(c, info) for c, _, info in runs.values()):
         return "accelerator memory (GiB)"
+    if any(_tensors_measured(c) for c, _, _ in runs.values()):
+        return "host memory: the run's own tensors (GiB, CPU)"
     return "host memory: process RSS (GiB, CPU run)"
 
 
-def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int) -> None:
-    """Say, on the loss-scale panel in ``row``, which runs have no scale line: they train without a GradScaler."""
+def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int, col: int = 1) -> None:
+    """Say, on the loss-scale panel at (``row``, ``col``), which runs train without a GradScaler, where the
+    note covers no line: inside the panel when it is empty, above its plot area otherwise."""
     without = [(name, info) for name, (c, _, info) in runs.items() if not _scaler_used(c, info)]
     if not without:
         return
-    if len(without) == len(runs):
-        precs = sorted({str(getattr(i, "precision_used", "") or "") for _, i in without} - {""})
-        what = "/".join(precs) if precs else "this run"
-        text = f"no GradScaler: {what} trains without loss scaling"
-    else:
-        text = "no GradScaler in: " + ", ".join(n for n, _ in without)
-    sp = fig.get_subplot(row, 1)   # axis numbers follow the grid, so ask, not guess
+    precs = sorted({str(getattr(i, "precision_used", "") or "") for _, i in without} - {""})
+    sp = fig.get_subplot(row, col)   # axis numbers follow the grid, so ask, not guess
     x, y = sp.xaxis.plotly_name.replace("axis", ""), sp.yaxis.plotly_name.replace("axis", "")
-    fig.add_annotation(text=text, xref=f"{x} domain", yref=f"{y} domain", x=0.5, y=0.5, showarrow=False,
-                       font=dict(size=13, color="#555"), name="no_scaler")
+    if len(without) == len(runs):
+        what = "/".join(precs) if precs else "this run"
+        verb = "do" if len(precs) > 1 else "does"
+        # The panel is empty: in its middle the note hides nothing.
+        fig.add_annotation(text=f"no GradScaler ({what} {verb} not need one)", xref=f"{x} domain",
+                           yref=f"{y} domain", x=0.5, y=0.5, showarrow=False,
+                           font=dict(size=13, color="#555"), name="no_scaler")
+        return
+    names = [n for n, _ in without]
+    if precs and set(precs) != set(names):
+        who, verb = "/".join(precs), ("do" if len(precs) > 1 else "does")
+    else:
+        who, verb = ("they", "do") if len(names) > 1 else ("it", "does")
+    text = "no GradScaler in " + html.escape(", ".join(names)) + f" ({who} {verb} not need one)"
+    # Above the plot area, right-aligned: the other runs' scale lines fill the panel itself.
+    fig.add_annotation(text=text, xref=f"{x} domain", yref=f"{y} domain", x=1, y=1, xanchor="right",
+                       yanchor="bottom", showarrow=False, font=dict(size=12, color="#555"), name="no_scaler")
+    # The panel title moves to the left edge, so it and the right-aligned note do not meet.
+    left = float(sp.xaxis.domain[0])
+    for a in fig.layout.annotations:
+        if a.text == SCALE_TITLE and a.xref == "paper":
+            a.update(x=left, xanchor="left")
 
 
 def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optional[str] = None,
@@ -377,16 +476,16 @@ def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optio
         else:
             h, e, i = v, None, None
         norm[str(name)] = (columns(h), e, i)
-    fig = make_run_layout(memory_title=_memory_title(norm))
+    fig = make_run_layout(memory_title=_memory_title(norm),
+                          loss_unit=_loss_unit(i for _, _, i in norm.values()))
     overlay = len(norm) > 1
     for k, (name, (c, e, i)) in enumerate(norm.items()):
         color = (colors or {}).get(name) or _PALETTE[k % len(_PALETTE)]
         for spec in trace_specs(c, e, i, name=name, color=color, overlay=overlay, smoothing=smoothing):
             fig.add_trace(_spec_trace(spec), row=spec["row"], col=1)
+    fig.update_yaxes(row=PANEL_ROWS["scale"], col=1, **runs_scale_axis(norm))
     _no_scaler_note(fig, norm, PANEL_ROWS["scale"])
-    if title:
-        fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)))
-    return fig
+    return set_title(fig, title)
 
 
 def run_figure(history: Any, eval_history: Any = None, info: Any = None, *, smoothing: float = 0.9,
@@ -408,18 +507,125 @@ _COMPARE_GRID = {"loss": (1, 1), "loss_diff": (2, 1), "grad_norm": (3, 1), "scal
                  "throughput": (1, 2), "peak_memory": (3, 2)}
 
 
+_BAND_FILL = "rgba(110, 110, 110, 0.18)"   # light, so the difference lines drawn over it stay readable
+
+
+def _diff_title(reference: str, band: Any) -> str:
+    return f"loss − {reference}, per step" + (" (grey: seed noise)" if band is not None else "")
+
+
+def difference_traces(histories: Mapping[str, Any], reference: str,
+                      eval_histories: Optional[Mapping[str, Any]] = None, band: Any = None,
+                      colors: Optional[Mapping[str, str]] = None) -> list[go.Scatter]:
+    """The difference panel's traces: the seed-noise band (±``band.width``, a filled area, drawn first so it
+    lies behind), then per variant its loss minus the reference's at each step of the reference, exactly
+    (:func:`nbtrain.verdicts.differences`, no smoothing), then its eval-loss differences as markers.
+
+    ``histories`` map a name to a history (records or DataFrame); ``band`` is a
+    :class:`nbtrain.verdicts.SeedBand` or None. Meta kinds: ``noise_band_high``, ``noise_band_low``,
+    ``loss_diff``, ``eval_loss_diff``.
+    """
+    from ..verdicts import differences
+
+    cols = {str(n): columns(h) for n, h in histories.items()}
+    colors = dict(colors or {})
+    traces: list[go.Scatter] = []
+    if band is not None and len(band.width):
+        x = band.width.index.to_numpy()
+        w = band.width.to_numpy(dtype=np.float64)
+        seeds = ", ".join(map(str, band.seeds))
+        meta = {"run": None, "panel": "loss_diff"}
+        traces.append(go.Scatter(x=x, y=w, mode="lines", line=dict(width=0, color=_BAND_FILL), hoverinfo="skip",
+                                 showlegend=False, name="seed noise (upper edge)",
+                                 meta={**meta, "kind": "noise_band_high"}))
+        # fill="tonexty" fills up to the trace just before: the upper edge.
+        traces.append(go.Scatter(x=x, y=-w, mode="lines", line=dict(width=0, color=_BAND_FILL), fill="tonexty",
+                                 fillcolor=_BAND_FILL, name=f"seed noise ({reference}, seeds {seeds})",
+                                 customdata=w, legendgroup="noise_band",
+                                 hovertemplate=("step %{x}<br>seed noise ±%{customdata:.3g} nats"
+                                                "<extra>seeds " + seeds + "</extra>"),
+                                 meta={**meta, "kind": "noise_band_low"}))
+    diff = differences(cols, reference)
+    x = diff.index.to_numpy()
+    for k, name in enumerate(cols):
+        color = colors.get(name) or _PALETTE[k % len(_PALETTE)]
+        traces.append(go.Scatter(
+            x=x, y=diff[name].to_numpy(dtype=np.float64), mode="lines" if len(x) > 1 else "markers",
+            name=f"{name} · Δloss",
+            line=dict(color=color, width=1.5, dash="solid" if name != reference else "dot"),
+            legendgroup=name, showlegend=False,
+            hovertemplate="step %{x}<br>" + html.escape(name) + " − " + html.escape(reference)
+                          + ": %{y:.3g}<extra></extra>",
+            meta={"run": name, "panel": "loss_diff", "kind": "loss_diff"}))
+    evals = {str(n): _eval_frame(e) for n, e in (eval_histories or {}).items() if str(n) in cols}
+    if reference in evals and evals[reference] is not None:
+        ev = differences(evals, reference, "eval_loss")
+        acc = differences(evals, reference, "eval_accuracy")
+        for k, name in enumerate(cols):
+            if name == reference or name not in ev or not ev[name].notna().any():
+                continue
+            color = colors.get(name) or _PALETTE[k % len(_PALETTE)]
+            # Accuracy is another unit than this panel's nats: it goes in the hover, not on the axis.
+            a = acc[name].reindex(ev.index).to_numpy(dtype=np.float64) if name in acc else np.full(len(ev), np.nan)
+            text = [f"eval accuracy {v:+.3g}" if math.isfinite(v) else "" for v in a.tolist()]
+            traces.append(go.Scatter(
+                x=ev.index.to_numpy(), y=ev[name].to_numpy(dtype=np.float64), mode="markers",
+                name=f"{name} · Δ eval loss",
+                marker=dict(symbol="circle-open", size=9, color=color, line=dict(width=2)),
+                legendgroup=name, showlegend=False, text=text,
+                hovertemplate="step %{x}<br>eval loss " + html.escape(name) + " − " + html.escape(reference)
+                              + ": %{y:.3g}<br>%{text}<extra></extra>",
+                meta={"run": name, "panel": "loss_diff", "kind": "eval_loss_diff"}))
+    return traces
+
+
+def _eval_frame(eval_history: Any) -> Any:
+    """An eval history as something with columns (a DataFrame or a dict of columns pass as they are)."""
+    if eval_history is None or hasattr(eval_history, "columns") or isinstance(eval_history, Mapping):
+        return eval_history
+    import pandas as pd
+
+    return pd.DataFrame([r if isinstance(r, Mapping) else vars(r) for r in eval_history])
+
+
+def difference_figure(histories: Mapping[str, Any], reference: Optional[str] = None,
+                      eval_histories: Optional[Mapping[str, Any]] = None, band: Any = None, *,
+                      height: int = 300) -> go.Figure:
+    """The difference panel of :func:`compare_figure` on its own (:func:`difference_traces`)."""
+    names = [str(n) for n in histories]
+    ref = str(reference) if reference is not None else (names[0] if names else "")
+    fig = go.Figure()
+    if names and ref not in names:
+        raise ValueError(f"reference {reference!r} is not one of {names}")
+    for tr in difference_traces(histories, ref, eval_histories, band) if names else []:
+        if tr.meta["kind"] == "loss_diff" and tr.meta["run"] != ref:
+            # Alone, the lines need the legend the loss panel gives them otherwise (the reference's is the 0 line).
+            tr.update(showlegend=True, name=f"{tr.meta['run']} − {ref}")
+        fig.add_trace(tr)
+    fig.update_layout(template="plotly_white", height=height, margin=dict(l=70, r=20, t=40, b=45),
+                      hovermode="closest", showlegend=True,
+                      legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom"))
+    fig.update_xaxes(title_text="optimizer step")
+    fig.update_yaxes(title_text="Δ loss (nats)", title_font=dict(size=12), zeroline=True)
+    return set_title(fig, _diff_title(ref, band) if names else "no variant ran")
+
+
 def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None,
                    summaries: Optional[Mapping[str, Mapping]] = None,
                    eval_histories: Optional[Mapping[str, Any]] = None,
                    infos: Optional[Mapping[str, Any]] = None,
                    not_run: Optional[Mapping[str, str]] = None, *,
-                   smoothing: float = 0.9, title: Optional[str] = None) -> go.Figure:
-    """Variants overlaid: loss, loss difference to ``reference`` (EMA, same steps), grad norm, loss scale
+                   smoothing: float = 0.9, title: Optional[str] = None, band: Any = None,
+                   throughput_range: Optional[Mapping[str, tuple[float, float]]] = None) -> go.Figure:
+    """Variants overlaid: loss, each variant's exact per-step loss difference to ``reference`` (eval
+    differences as markers) over the seed-noise ``band`` (:func:`difference_traces`), grad norm, loss scale
     and memory over the steps, with bars of throughput and peak memory (the figure of
-    ``ComparisonResult.figure()``).
+    ``ComparisonResult.figure()``). ``throughput_range`` (name -> (lowest, highest) tokens/s over repeats)
+    draws each bar's range as an error bar.
 
-    ``summaries`` (name -> ``result.summary``) supply ``tokens_per_s`` and ``peak_vram_gib``; without
-    them the bars use the history's median tokens/s and its peak VRAM (or host RSS on CPU). ``infos``
+    ``summaries`` (name -> ``result.summary``) supply ``tokens_per_s`` and ``peak_vram_gib`` (on CPU
+    ``peak_host_tensors_gib``, the run's own tensors); without them the bars use the history's median
+    tokens/s and its peak VRAM (on CPU its run tensors, or host RSS for histories without them). ``infos``
     (name -> RunInfo) say which runs had a GradScaler and which device they used; ``not_run`` (name ->
     reason) lists the variants that did not run under the title. No histories: a figure that says so.
     """
@@ -437,44 +643,53 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
     runs = {str(n): (columns(h), (eval_histories or {}).get(n), infos.get(n)) for n, h in histories.items()}
     vram = (any(_uses_vram(c, i) for c, _, i in runs.values())
             or any((s or {}).get("peak_vram_gib") is not None for s in (summaries or {}).values()))
-    peak_label = "peak VRAM (GiB)" if vram else "peak host RSS (GiB)"
+    # On CPU, variants are compared on their own tensors: RSS grows with every run in the process.
+    tensors = not vram and (any(_tensors_measured(c) for c, _, _ in runs.values())
+                            or any((s or {}).get("peak_host_tensors_gib") is not None
+                                   for s in (summaries or {}).values()))
+    if vram:
+        peak_key, peak_col, peak_label = "peak_vram_gib", "vram_peak_gib", "peak VRAM (GiB)"
+    elif tensors:
+        peak_key, peak_col, peak_label = "peak_host_tensors_gib", "host_tensors_gib", "peak run tensors (GiB)"
+    else:
+        peak_key, peak_col, peak_label = "peak_host_rss_gib", "host_rss_gib", "peak host RSS (GiB)"
     fig = make_subplots(
         rows=5, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1, vertical_spacing=0.06,
         specs=[[{}, {"rowspan": 2}], [{}, None], [{}, {"rowspan": 2}], [{}, None], [{}, None]],
-        subplot_titles=("loss", "throughput (tokens/s)", f"loss − {ref} (EMA)", "gradient norm (unscaled)",
-                        peak_label, "loss scale", _memory_title(runs)))
-    ref_c = runs[ref][0]
-    ref_at = dict(zip(ref_c["step"].tolist(), smooth(ref_c["loss"], smoothing).tolist()))
+        subplot_titles=("loss", "throughput (tokens/s)", _diff_title(ref, band), "gradient norm (unscaled)",
+                        peak_label, SCALE_TITLE, _memory_title(runs)))
+    palette = {name: _PALETTE[k % len(_PALETTE)] for k, name in enumerate(runs)}
+    for tr in difference_traces({n: c for n, (c, _, _) in runs.items()}, ref,
+                                {n: ev for n, (_, ev, _) in runs.items()}, band, palette):
+        fig.add_trace(tr, row=2, col=1)
     tps, peak = [], []
     for k, (name, (c, ev, info)) in enumerate(runs.items()):
         color = _PALETTE[k % len(_PALETTE)]
         for spec in trace_specs(c, ev, info, name=name, color=color, overlay=True, smoothing=smoothing):
             row, col = _COMPARE_GRID[spec["meta"]["panel"]]
             fig.add_trace(_spec_trace(spec), row=row, col=col)
-        ema = smooth(c["loss"], smoothing)
-        both = [i for i, s in enumerate(c["step"].tolist()) if s in ref_at]
-        diff = np.array([ema[i] - ref_at[c["step"][i]] for i in both], dtype=np.float64)
-        fig.add_trace(go.Scatter(x=c["step"][both], y=diff, mode="lines", name=f"{name} · Δloss",
-                                 line=dict(color=color, dash="solid" if name != ref else "dot"),
-                                 legendgroup=name, showlegend=False,
-                                 meta={"run": name, "panel": "loss_diff", "kind": "loss_diff"}),
-                      row=2, col=1)
         s = (summaries or {}).get(name)
         t = _summary_value(s, "tokens_per_s")
         if not math.isfinite(t):
             f = c["tokens_per_s"][np.isfinite(c["tokens_per_s"])]
             t = float(np.median(f)) if f.size else math.nan
-        p = _summary_value(s, "peak_vram_gib")
+        p = _summary_value(s, peak_key)
         if not math.isfinite(p):
-            src = c["vram_peak_gib"] if vram else c["host_rss_gib"]
-            f = src[np.isfinite(src)]
+            f = c[peak_col][np.isfinite(c[peak_col])]
             p = float(f.max()) if f.size else math.nan
         tps.append(t)
         peak.append(p)
     colors = [_PALETTE[k % len(_PALETTE)] for k in range(len(names))]
+    rng = throughput_range or {}
+    # The repeats' range on each bar: two bars whose ranges overlap are not ranked by their heights.
+    error = (dict(type="data", symmetric=False, color="#444", thickness=1.5,
+                  array=[rng[n][1] - t if n in rng else 0.0 for n, t in zip(names, tps)],
+                  arrayminus=[t - rng[n][0] if n in rng else 0.0 for n, t in zip(names, tps)])
+             if rng else None)
     fig.add_trace(go.Bar(x=names, y=tps, marker_color=colors, showlegend=False, name="tokens/s",
-                         text=[f"{v:,.0f}" if math.isfinite(v) else "n/a" for v in tps],
-                         textposition="auto", meta={"run": None, "panel": "throughput", "kind": "tokens_per_s"}),
+                         text=[f"{v:,.0f}" if math.isfinite(v) else "n/a" for v in tps], error_y=error,
+                         textposition="inside" if rng else "auto", insidetextanchor="start",
+                         meta={"run": None, "panel": "throughput", "kind": "tokens_per_s"}),
                   row=1, col=2)
     fig.add_trace(go.Bar(x=names, y=peak, marker_color=colors, showlegend=False, name=peak_label,
                          text=[f"{v:.2f}" if math.isfinite(v) else "n/a" for v in peak],
@@ -485,15 +700,17 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
         fig.update_xaxes(matches="x", row=row, col=1)
     fig.update_xaxes(showticklabels=True, title_text="optimizer step", row=5, col=1)
     fig.update_yaxes(type="log", row=3, col=1)
-    fig.update_yaxes(type="log", row=4, col=1)
-    fig.update_yaxes(title_text="GiB", row=5, col=1)
-    _no_scaler_note(fig, runs, _COMPARE_GRID["scale"][0])
+    fig.update_yaxes(row=4, col=1, **runs_scale_axis(runs))
+    unit = _loss_unit(i for _, _, i in runs.values())
+    _axis_titles(fig, {(1, 1): f"loss ({unit})", (2, 1): f"Δ loss ({unit.split('/')[0]})",
+                       (3, 1): "grad norm (L2)", (4, 1): "loss scale", (5, 1): "memory (GiB)",
+                       (1, 2): "tokens/s", (3, 2): "GiB"})
+    _no_scaler_note(fig, runs, *_COMPARE_GRID["scale"])
     if title is None:
         title = " vs ".join(names) + f" (reference: {ref})" + _not_run_text(not_run)
-    fig.update_layout(height=1050, margin=dict(l=60, r=20, t=90, b=50), template="plotly_white",
-                      hovermode="closest", legend=dict(groupclick="togglegroup"),
-                      title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)))
-    return fig
+    fig.update_layout(height=1050, margin=dict(l=70, r=20, t=60, b=50), template="plotly_white",
+                      hovermode="closest", legend=dict(groupclick="togglegroup"))
+    return set_title(fig, title)
 
 
 def _not_run_text(not_run: Mapping[str, str]) -> str:

@@ -95,8 +95,11 @@ def summary_text(records: list, evals: list, info: Any = None, result: Any = Non
     parts.append(f"{skipped} skipped")
     parts.append(f"{nonfin} non-finite")
     peaks = [r.vram_peak_gib for r in records if r.vram_peak_gib is not None]
+    tensors = [v for r in records if (v := getattr(r, "host_tensors_gib", None)) is not None]
     if peaks:
         parts.append(f"peak VRAM {max(peaks):.2f} GiB")
+    elif tensors:   # the run's own memory; RSS counts the whole process
+        parts.append(f"peak run tensors {max(tensors):.3g} GiB")
     else:
         rss = [r.host_rss_gib for r in records if r.host_rss_gib is not None]
         if rss:
@@ -114,6 +117,21 @@ def summary_text(records: list, evals: list, info: Any = None, result: Any = Non
     if summ.get("stopped_reason"):
         parts.append(f"stopped: {summ['stopped_reason']}")
     return " · ".join(parts)
+
+
+def figure_title(infos: dict, limit: int = 90) -> str:
+    """One short line naming the runs of a figure, with their precisions (``{run name: RunInfo}``)."""
+    labels = []
+    for name, info in infos.items():
+        prec = str(getattr(info, "precision_used", "") or "")
+        if prec and getattr(info, "scaler_enabled", False):
+            prec += " + GradScaler"
+        if name == "run" or name == getattr(info, "precision_used", None):
+            labels.append(prec or name)
+        else:
+            labels.append(f"{name} ({prec})" if prec else name)
+    text = " · ".join(labels)
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def run_notes(result: Any) -> tuple[list[str], list[str]]:

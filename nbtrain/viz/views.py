@@ -2,8 +2,10 @@
 
 Each view gets the dashboard's figure and status line and knows nothing of records or throttling.
 ``widget`` and ``html`` end each run by replacing the live view, through the same display handles, with a
-static copy (:func:`static_bundle`) and the runs' summaries, notes and advice; ``clear_output`` is never
-called. ``text`` is the command line's tqdm bar, with the summary printed when the run ends.
+static copy (:func:`static_bundle`, titled in one short line) under the runs' summaries, notes and advice;
+``clear_output`` is never called. A view whose live widget was replaced says so (``retired``) and takes a
+new one (``replace_figure``) rather than have the old one written to again. ``text`` is the command line's
+tqdm bar, with the summary printed when the run ends.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class _NotebookView:
     """What the widget and HTML views share: two display handles (status, figure) and the static end."""
 
     live = True   # the figure is redrawn while the run goes
+    retired = False  # whether the live figure's view was replaced (then it must not be written to)
+    _retires_figure = False  # whether replacing the live view leaves the figure unusable (a widget's does)
 
     def __init__(self, display: bool, static_plotlyjs: Any):
         self.display = display
@@ -53,11 +57,11 @@ class _NotebookView:
     def eval(self, record: Any) -> None:
         pass
 
-    def run_end(self, figure, summaries: list, current=None) -> None:
-        """Replace the live view by a static copy titled with every run's summary, notes under each."""
+    def run_end(self, figure, summaries: list, current=None, title: str = "") -> None:
+        """Replace the live view by a static copy with a one-line ``title``; every run's summary, with its
+        notes, goes in the status line above it (the one place for it)."""
         if not self.display or self._fig_handle is None:
             return
-        texts = [t for t, _ in summaries]
         text = "\n".join(filter(None, (part for t, res in summaries for part in (t, notes_text(res)))))
         js = self.static_plotlyjs if self.static_plotlyjs else False
         self._status_handle.update({"text/html": "<div>" + "".join(
@@ -65,12 +69,12 @@ class _NotebookView:
             "text/plain": text}, raw=True)
         import plotly.graph_objects as go
 
-        static = go.Figure(figure)
-        static.update_layout(title=dict(text="<br>".join(html.escape(t) for t in texts), x=0.01,
-                                        xanchor="left", font=dict(size=12)),
-                             margin=dict(t=40 + 18 * len(texts)))
+        from .figures import set_title
+
+        static = set_title(go.Figure(figure), html.escape(title.replace("\n", " ")))
         self._fig_handle.update(static_bundle(static, js, text=text), raw=True)
         self._live_shown = False
+        self.retired = self._retires_figure
 
 
 class WidgetView(_NotebookView):
@@ -83,6 +87,18 @@ class WidgetView(_NotebookView):
         self.status = widgets.HTML(value="<i>waiting for the first step…</i>")
         self.widget = widgets.VBox([self.status, figure])
         self.figure = figure
+
+    # plotly's front end leaves a removed view's listeners on the FigureWidget's model (they purge the graph
+    # div but stay subscribed), so once run_end has replaced the widget's output it must get no message.
+    _retires_figure = True
+
+    def replace_figure(self, new):
+        """Take ``new`` (a FigureWidget not shown yet) as the live figure; the retired one is closed."""
+        old, self.figure = self.figure, new
+        self.widget.children = (self.status, new)
+        self.retired = False
+        old.close()
+        return new
 
     def run_start(self, figure, status: str, info: Any = None) -> None:
         if not self.display:
@@ -133,6 +149,7 @@ class TextView:
     """The command line's progress bar while a run goes; its summary, notes and advice printed at the end."""
 
     live = False   # the figure is only brought up to date when a run ends
+    retired = False
     widget = None
 
     def __init__(self, display: bool, total_steps=None, max_per_s: float = 5):
@@ -154,7 +171,7 @@ class TextView:
         if self.display:
             self.bar.on_eval(record)
 
-    def run_end(self, figure, summaries: list, current=None) -> None:
+    def run_end(self, figure, summaries: list, current=None, title: str = "") -> None:
         self.bar.on_run_end(None)
         if self.display and current is not None:
             text, result = current
