@@ -83,12 +83,21 @@ def cmd_compare(args) -> int:
     cfg = _load_config(args.config, args.set)
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     cmp = compare(cfg, precisions=precisions, subset=args.subset, max_steps=args.max_steps,
-                  repeats=args.repeats, callbacks=[ProgressBar(cfg.log_every, desc="compare")])
+                  repeats=args.repeats, callbacks=[ProgressBar(cfg.log_every, desc="compare")],
+                  seeds=args.seeds)
     print(cmp.format_table())
     if args.html:
         cmp.to_html(args.html)
         print(f"wrote {args.html}")
     return 0
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    """``--seeds 0,1,2`` as a tuple of ints (an argparse type)."""
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,1,2, got {text!r}") from None
 
 
 def cmd_estimate(args) -> int:
@@ -152,7 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--precisions", default="fp32,fp16,bf16")
     c.add_argument("--subset", type=int, default=None)
     c.add_argument("--max-steps", type=int, default=None)
-    c.add_argument("--repeats", type=int, default=1)
+    c.add_argument("--repeats", type=int, default=1,
+                   help="time every precision this many times, interleaved: speed-ups get their spread")
+    c.add_argument("--seeds", type=_seeds, default=(),
+                   help="e.g. 0,1,2: run the first precision again under the other seeds; their spread is the "
+                        "noise band each precision's loss difference is judged against")
     c.add_argument("--html", default=None, help="write a self-contained HTML report here")
     c.set_defaults(fn=cmd_compare)
 

@@ -21,11 +21,13 @@ EDGE_TOL = 1e-9
 
 
 def _series(history: Any, column: str = "loss") -> pd.Series:
-    """``column`` of a history (DataFrame with a ``step`` column) indexed by step, as floats."""
-    if history is None or len(history) == 0 or column not in history:
+    """``column`` of a history (a DataFrame, or a dict of columns, with a ``step`` column) indexed by step,
+    as floats (None -> NaN)."""
+    if history is None or column not in history or "step" not in history:
         return pd.Series([], dtype=float, name=column)
-    s = pd.Series(pd.to_numeric(history[column], errors="coerce").to_numpy(dtype=float),
-                  index=pd.Index(history["step"].to_numpy(dtype=np.int64), name="step"), name=column)
+    values = pd.to_numeric(pd.Series(history[column], dtype=object), errors="coerce").to_numpy(dtype=float)
+    steps = pd.Series(history["step"]).to_numpy(dtype=np.int64)
+    s = pd.Series(values, index=pd.Index(steps, name="step"), name=column)
     return s[~s.index.duplicated(keep="last")]
 
 
@@ -80,6 +82,10 @@ def leaves_band(diff: pd.Series, band: SeedBand) -> Optional[int]:
     return int(steps[0]) if len(steps) else None
 
 
+# Fewer repeats than this never rank two variants, however their timings fall.
+MIN_RANKED_REPEATS = 3
+
+
 @dataclass
 class Speed:
     """Throughput of a variant relative to the reference: the median of the paired per-repeat ratios and
@@ -97,8 +103,9 @@ class Speed:
 
     @property
     def measurable(self) -> bool:
-        """True when every repeat orders the two the same way (the whole range is above or below 1)."""
-        return self.n > 1 and (self.low > 1.0 or self.high < 1.0)
+        """True when at least MIN_RANKED_REPEATS repeats all order the two the same way (the whole range is
+        above or below 1). Two identical variants agree in two repeats half the time, in three a quarter."""
+        return self.n >= MIN_RANKED_REPEATS and (self.low > 1.0 or self.high < 1.0)
 
 
 def speed(timings: Sequence[float], reference_timings: Sequence[float]) -> Optional[Speed]:
@@ -131,6 +138,7 @@ class Verdict:
     scale_min: Optional[float] = None
     eval_diff: Optional[tuple[str, float]] = None   # ("eval_loss" | "eval_accuracy", variant - reference)
     stopped_reason: Optional[str] = None
+    seed_wall_s: dict[int, float] = field(default_factory=dict)   # the reference's: what its seed runs took
     parts: list[str] = field(default_factory=list)
 
     @property
@@ -158,6 +166,9 @@ def _speed_text(s: Optional[Speed], reference: str) -> str:
         return "speed not measured"
     if s.n == 1:
         return f"{s.ratio:.2f}x the speed of {reference} (one timing, spread unknown: use repeats=3)"
+    if s.n < MIN_RANKED_REPEATS:
+        return (f"{s.ratio:.2f}x the speed of {reference} (±{s.spread:.2f} over {s.n} timings: too few to rank, "
+                f"use repeats={MIN_RANKED_REPEATS})")
     if not s.measurable:
         return f"no measurable speed difference ({s.ratio:.2f}x, ±{s.spread:.2f})"
     if s.ratio >= 1:
@@ -168,29 +179,47 @@ def _speed_text(s: Optional[Speed], reference: str) -> str:
 def verdict(name: str, reference: str, history: Any, reference_history: Any, summary: Mapping[str, Any],
             *, timings: Sequence[float] = (), reference_timings: Sequence[float] = (),
             band: Optional[SeedBand] = None, eval_history: Any = None,
-            reference_eval_history: Any = None, scaler: Optional[bool] = None) -> Verdict:
-    """The verdict of one variant that ran, against the reference run (and the seed band when given)."""
+            reference_eval_history: Any = None, scaler: Optional[bool] = None,
+            initial_scale: Optional[float] = None, seed_wall_s: Optional[Mapping[int, float]] = None) -> Verdict:
+    """The verdict of one variant that ran, against the reference run (and the seed band when given).
+
+    ``initial_scale`` is the loss scale before the first step (the history holds each step's scale after its
+    update); ``seed_wall_s`` (seed -> seconds) is what the reference's seed runs cost, stated in its verdict.
+    """
     v = Verdict(name, reference, is_reference=(name == reference))
     v.stopped_reason = summary.get("stopped_reason")
     v.skipped_steps = _int_or_zero(summary.get("skipped_steps"))
     v.nonfinite_steps = _int_or_zero(summary.get("nonfinite_steps"))
-    scales = _series(history, "scale").dropna() if history is not None and "scale" in history else pd.Series([], dtype=float)
+    scales = _series(history, "scale").dropna()
     if len(scales):
-        v.scale_first, v.scale_last, v.scale_min = float(scales.iloc[0]), float(scales.iloc[-1]), float(scales.min())
+        v.scale_first, v.scale_last = float(scales.iloc[0]), float(scales.iloc[-1])
+        v.scale_min = float(scales.min())
+        if initial_scale is not None and math.isfinite(initial_scale):
+            v.scale_first = float(initial_scale)
     if v.is_reference:
-        v.parts.append("the reference" + (f" (seed noise from seeds {', '.join(map(str, band.seeds))})"
-                                          if band is not None else ""))
+        v.seed_wall_s = {int(k): float(t) for k, t in (seed_wall_s or {}).items()}
+        if band is not None and v.seed_wall_s:
+            cost = sum(v.seed_wall_s.values())
+            v.parts.append(f"the reference (seed noise from seed runs {', '.join(map(str, v.seed_wall_s))}: "
+                           f"{cost:.1f} s)")
+        else:
+            v.parts.append("the reference" + (f" (seed noise from seeds {', '.join(map(str, band.seeds))})"
+                                              if band is not None else ""))
     else:
         v.speed = speed(timings, reference_timings)
         v.parts.append(_speed_text(v.speed, reference))
         diff = differences({reference: reference_history, name: history}, reference)[name]
         finite = diff[np.isfinite(diff)]
         v.max_abs_diff = float(finite.abs().max()) if len(finite) else math.nan
-        if band is not None:
+        # Steps where both runs have a loss and the band a width: a run cut before them has nothing to judge.
+        judged = diff.reindex(band.width.index).dropna() if band is not None else diff.iloc[:0]
+        if band is not None and len(judged):
             v.leaves_band_at = leaves_band(diff, band)
             v.within_noise = v.leaves_band_at is None
             v.parts.append("loss within seed noise at every step" if v.within_noise
                            else f"loss leaves the noise band at step {v.leaves_band_at}")
+        elif band is not None:
+            v.parts.append("no step to hold against the seed noise band")
         elif math.isfinite(v.max_abs_diff):
             v.parts.append(f"loss differs from {reference} by at most {v.max_abs_diff:.2g} "
                            "(no seed band to judge it: seeds=(0, 1, 2))")

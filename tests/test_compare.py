@@ -310,10 +310,12 @@ def test_figure_and_self_contained_html(fp_cmp, tmp_path):
 def test_text_and_notebook_views(fp_cmp):
     cmp, _, _ = fp_cmp
     text = cmp.format_table()
-    lines = text.splitlines()
+    verdicts, lines = text.splitlines()[:2], text.splitlines()[3:]
+    assert verdicts == [cmp.verdicts["fp32"].text, cmp.verdicts["bf16"].text]   # the answers first, then the table
     assert lines[0].split()[:2] == ["variant", "precision_used"]   # status left out: every run completed
     assert lines[1].split()[0] == "fp32" and lines[2].split()[0] == "bf16"
     assert "fair:" in text and "micro_batch" not in lines[0]   # settings all variants share are left out
+    assert "fair: every variant started from the same weights and saw the same batches as 'fp32'" in text
     html = cmp._repr_html_()
     assert "<table" in html and "bf16" in html and "fair:" in html
     assert "plotly" not in html.lower()
@@ -337,7 +339,8 @@ def test_cli_compare_prints_the_table(tmp_path, capsys):
                  "--html", str(html_path)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert [ln.split()[0] for ln in lines[:3]] == ["variant", "fp32", "bf16"]
+    assert lines[0].startswith("fp32: the reference") and lines[1].startswith("bf16: ")   # the verdicts
+    assert [ln.split()[0] for ln in lines[3:6]] == ["variant", "fp32", "bf16"]
     assert f"wrote {html_path}" in out and html_path.stat().st_size > 1_000_000
 
 

@@ -94,3 +94,13 @@ def test_eval_difference_is_in_the_verdict():
     ev = pd.DataFrame({"step": [2], "eval_loss": [4.4], "eval_accuracy": [0.75]})
     v = V.verdict("lora", "full", hist([5.0, 3.9]), ref, {}, eval_history=ev, reference_eval_history=ev_ref)
     assert v.eval_diff == ("eval_accuracy", 0.25) and "eval accuracy +0.25 vs full" in v.text
+
+
+def test_two_agreeing_repeats_are_too_few_to_rank():
+    """Two identical variants order the same way in two repeats half the time: no ranking below three."""
+    two = V.speed([105, 104], [100, 100])
+    assert not two.measurable
+    v = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[105, 104],
+                  reference_timings=[100, 100])
+    assert "too few to rank" in v.text and "faster" not in v.text
+    assert V.speed([105, 104, 103], [100, 100, 100]).measurable
