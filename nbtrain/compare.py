@@ -149,7 +149,7 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
             halted = halted or _stop_requested(stop)
             if halted or o.config is None or o.status in ("error", "out_of_memory"):
                 continue
-            run_cfg = o.config if r == 0 else o.config.replace(output_dir=None)
+            run_cfg = o.config if r == 0 else _unrecorded(o.config)
             try:
                 result = _run_variant(o, run_cfg, callbacks if r == 0 else None, first=(r == 0), stop=stop)
             except KeyboardInterrupt:  # before the loop's own handler is in place (data, model building)
@@ -217,10 +217,15 @@ def _seed_list(seeds) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _unrecorded(cfg: TrainConfig, **changes) -> TrainConfig:
+    """``cfg`` for a run that is not one of the comparison's results (warm-up, a repeat, a seed run): it writes
+    no outputs and reports to no tracker, so a tracker holds one run per variant."""
+    return cfg.replace(output_dir=None, report_to=[], **changes)
+
+
 def _seed_config(cfg: TrainConfig, seed: int) -> TrainConfig:
-    """The reference's config under another seed: nothing written, nothing reported to a tracker."""
-    extra = {"report_to": []} if "report_to" in TrainConfig.model_fields else {}
-    return cfg.replace(seed=seed, output_dir=None, **extra)
+    """The reference's config under another seed."""
+    return _unrecorded(cfg, seed=seed)
 
 
 def _run_seeds(ref: _Outcome, seeds: tuple[int, ...], runs: _SeedRuns, stop,
@@ -309,7 +314,7 @@ def _warm_up(cfg: Optional[TrainConfig], stop=None) -> Optional[str]:
     if cfg is None or _stop_requested(stop):
         return _stop_requested(stop)
     try:
-        res = _loop._run(cfg.replace(max_steps=2, eval_every=None, output_dir=None), None,
+        res = _loop._run(_unrecorded(cfg, max_steps=2, eval_every=None), None,
                          stop_event=_RunStop(stop))
     except KeyboardInterrupt:
         return "interrupted"

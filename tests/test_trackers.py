@@ -427,3 +427,18 @@ def test_training_arguments_report_to():
     assert names == ["TensorBoardCallback", "TrackioCallback", "MLflowCallback", "WandbCallback"]
     assert training_arguments_kwargs(nbt.TrainConfig(precision="fp32"))["report_to"] == "none"
     assert to_training_arguments(nbt.TrainConfig(precision="fp32", report_to=["mlflow"])).report_to[:1] == ["mlflow"]
+
+
+def test_compare_logs_one_tensorboard_run_per_variant(tmp_path, monkeypatch):
+    """The warm-up and the timing repeats are not results: only each variant's first run reaches the tracker."""
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)   # a run without output_dir would log under ./runs: counted below too
+    cfg = nbt.TrainConfig(model="tiny", data="builtin:python-docs", subset=32, max_seq_len=24, micro_batch_size=4,
+                          eval_fraction=0.0, max_steps=2, precision="fp32", report_to=["tensorboard"],
+                          output_dir=str(tmp_path / "out"))
+    cmp = nbt.compare(cfg, variants={"a": {}, "b": {"lr": 1e-3}}, repeats=2)
+    assert cmp.finished == ["a", "b"]
+    runs = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("events.out.tfevents.*"))
+    assert [r.split("/")[:2] for r in runs] == [["out", "a"], ["out", "b"]], runs
+    for variant in ("a", "b"):
+        assert [e.step for e in _events(tmp_path / "out" / variant / "tensorboard").Scalars("train/loss")] == [1, 2]
