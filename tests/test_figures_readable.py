@@ -289,3 +289,31 @@ def test_live_widget_gets_no_message_after_its_view_is_replaced(frontend):
     assert F.iter_runs(dash.figure) == list(runs)
     # The status line and the live figure were shown in the same two places throughout.
     assert len(frontend["handles"]) == 2
+
+
+def test_live_comparison_has_the_exact_difference_panel_while_the_second_run_is_drawn():
+    """Overlaid live runs get a fifth panel: each run's loss minus the first run's, per step, exactly; it is
+    updated in place as the second run goes (issue 21: live as in the final figure)."""
+    a = make_records(12, variant="fp32", seed=1)
+    b = make_records(12, variant="bf16", seed=2)
+    dash = LiveDashboard(mode="widget", display=False, max_redraws_per_s=1000)
+    feed(dash, make_info("fp32", scaler=False, variant="fp32"), a)
+    dash.on_run_start(make_info("bf16", scaler=False, variant="bf16"))
+    for r in b[:7]:
+        dash.on_step_end(r)
+    dash.refresh()
+    fig = dash.figure
+    diff = F.find_trace(fig, "loss_diff", "loss_diff", run="bf16")
+    expect = [rb.loss - ra.loss for ra, rb in zip(a[:7], b[:7])]
+    assert list(diff.x[:7]) == list(range(1, 8)) and list(diff.y[:7]) == expect
+    assert all(math.isnan(v) for v in diff.y[7:])            # steps bf16 has not reached yet
+    for r in b[7:]:
+        dash.on_step_end(r)
+    dash.on_run_end(None)
+    diff = F.find_trace(dash.figure, "loss_diff", "loss_diff", run="bf16")
+    assert list(diff.y) == [rb.loss - ra.loss for ra, rb in zip(a, b)]
+    assert list(F.find_trace(dash.figure, "loss_diff", "loss_diff", run="fp32").y) == [0.0] * 12
+    # a single run has no difference panel
+    solo = LiveDashboard(mode="widget", display=False)
+    feed(solo, make_info("fp32", scaler=False, variant="fp32"), a)
+    assert not F.find_traces(solo.figure, panel="loss_diff")

@@ -226,6 +226,9 @@ class LiveDashboard:
                 fig.layout = new.layout
             self._scale_axis = axis
             return True
+        # The difference panel's traces follow the runs' own (runs_figure adds them last).
+        diffs = figures.live_difference_traces(snap, {n: figures._PALETTE[k % len(figures._PALETTE)]
+                                                      for k, n in enumerate(snap)})
         with fig.batch_update():
             for tr, spec in zip(fig.data, specs):
                 tr.x = spec["x"]
@@ -234,6 +237,9 @@ class LiveDashboard:
                     tr.hovertext = spec["hovertext"]
                 if "text" in spec:
                     tr.text = spec["text"]
+            for tr, new in zip(fig.data[len(specs):], diffs):
+                tr.x = new.x
+                tr.y = new.y
             if axis != self._scale_axis:   # a skipped step halved the scale: label the new power of two
                 yaxis = fig.get_subplot(figures.PANEL_ROWS["scale"], 1).yaxis
                 for key, value in axis.items():   # item by item: update() would open a batch of its own

@@ -384,18 +384,27 @@ def _axis_titles(fig: go.Figure, titles: Mapping[tuple[int, int], str]) -> None:
         fig.update_yaxes(title_text=text, title_font=dict(size=12), automargin=True, row=row, col=col)
 
 
+DIFF_ROW = len(PANELS) + 1   # the difference panel, under the four, when runs are overlaid
+DIFF_HEIGHT = 200
+
+
 def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = 820,
-                    loss_unit: str = "nats/token") -> go.Figure:
+                    loss_unit: str = "nats/token", difference: Optional[str] = None) -> go.Figure:
     """An empty 4-panel figure (loss, grad norm, loss scale, memory) sharing the step axis, each y axis
-    titled with its unit."""
-    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
-                        subplot_titles=("loss", "gradient norm (unscaled, before clipping)", SCALE_TITLE,
-                                        memory_title))
+    titled with its unit; with ``difference`` (a reference run's name) a fifth panel below them holds each
+    run's loss minus that run's, per step."""
+    rows = len(PANELS) + (difference is not None)
+    titles = ["loss", "gradient norm (unscaled, before clipping)", SCALE_TITLE, memory_title]
+    if difference is not None:
+        titles.append(_diff_title(difference, None))
+        height += DIFF_HEIGHT
+    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.06 * 4 / rows,
+                        subplot_titles=titles)
     fig.update_yaxes(type="log", row=2, col=1)
     fig.update_yaxes(row=3, col=1, **scale_axis([]))
     _axis_titles(fig, {(1, 1): f"loss ({loss_unit})", (2, 1): "grad norm (L2)", (3, 1): "loss scale",
-                       (4, 1): "memory (GiB)"})
-    fig.update_xaxes(title_text="optimizer step", row=4, col=1)
+                       (4, 1): "memory (GiB)", **({(DIFF_ROW, 1): "Δ loss (nats)"} if difference else {})})
+    fig.update_xaxes(title_text="optimizer step", row=rows, col=1)
     # uirevision keeps the user's zoom across live redraws.
     fig.update_layout(height=height, margin=dict(l=70, r=20, t=60, b=50), hovermode="closest",
                       uirevision="nbtrain", legend=dict(groupclick="togglegroup"),
@@ -476,13 +485,18 @@ def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optio
         else:
             h, e, i = v, None, None
         norm[str(name)] = (columns(h), e, i)
-    fig = make_run_layout(memory_title=_memory_title(norm),
-                          loss_unit=_loss_unit(i for _, _, i in norm.values()))
     overlay = len(norm) > 1
+    reference = next(iter(norm)) if overlay else None
+    fig = make_run_layout(memory_title=_memory_title(norm),
+                          loss_unit=_loss_unit(i for _, _, i in norm.values()), difference=reference)
+    palette = {}
     for k, (name, (c, e, i)) in enumerate(norm.items()):
-        color = (colors or {}).get(name) or _PALETTE[k % len(_PALETTE)]
-        for spec in trace_specs(c, e, i, name=name, color=color, overlay=overlay, smoothing=smoothing):
+        palette[name] = (colors or {}).get(name) or _PALETTE[k % len(_PALETTE)]
+        for spec in trace_specs(c, e, i, name=name, color=palette[name], overlay=overlay, smoothing=smoothing):
             fig.add_trace(_spec_trace(spec), row=spec["row"], col=1)
+    if overlay:   # last, so that the runs' own traces keep the order trace_specs gives them (live updates)
+        for tr in live_difference_traces(norm, palette):
+            fig.add_trace(tr, row=DIFF_ROW, col=1)
     fig.update_yaxes(row=PANEL_ROWS["scale"], col=1, **runs_scale_axis(norm))
     _no_scaler_note(fig, norm, PANEL_ROWS["scale"])
     return set_title(fig, title)
@@ -577,6 +591,16 @@ def difference_traces(histories: Mapping[str, Any], reference: str,
                               + ": %{y:.3g}<br>%{text}<extra></extra>",
                 meta={"run": name, "panel": "loss_diff", "kind": "eval_loss_diff"}))
     return traces
+
+
+def live_difference_traces(runs: Mapping[str, tuple], colors: Optional[Mapping[str, str]] = None) -> list:
+    """The difference panel of overlaid runs (``name -> (columns, eval, info)``, the first is the reference):
+    each run's loss minus the first run's at the steps both recorded, as in the final comparison figure."""
+    names = list(runs)
+    if len(names) < 2:
+        return []
+    return difference_traces({n: runs[n][0] for n in names}, names[0],
+                             colors=colors or {n: _PALETTE[k % len(_PALETTE)] for k, n in enumerate(names)})
 
 
 def _eval_frame(eval_history: Any) -> Any:
