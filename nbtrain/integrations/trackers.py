@@ -97,29 +97,20 @@ def _number(v: Any) -> Optional[float]:
     return None
 
 
+def _metrics(record: Any, name: Any) -> dict[str, float]:
+    """Every numeric field of ``record`` but ``step`` (the x axis), keyed ``name(field)``; None left out."""
+    return {name(k): x for k, v in _fields(record).items() if k != "step" and (x := _number(v)) is not None}
+
+
 def step_metrics(record: Any) -> dict[str, float]:
     """A StepRecord as ``{"train/<field>": number}``: every numeric field (bools as 0/1) but ``step`` (the x axis);
     None fields are left out."""
-    out = {}
-    for k, v in _fields(record).items():
-        if k == "step":
-            continue
-        x = _number(v)
-        if x is not None:
-            out[f"train/{k}"] = x
-    return out
+    return _metrics(record, lambda k: f"train/{k}")
 
 
 def eval_metrics(record: Any) -> dict[str, float]:
     """An EvalRecord as ``{"eval/<name>": number}`` (``eval_loss`` -> ``eval/loss``); None fields left out."""
-    out = {}
-    for k, v in _fields(record).items():
-        if k == "step":
-            continue
-        x = _number(v)
-        if x is not None:
-            out["eval/" + k.removeprefix("eval_")] = x
-    return out
+    return _metrics(record, lambda k: "eval/" + k.removeprefix("eval_"))
 
 
 def _config_dict(config: Any) -> dict[str, Any]:

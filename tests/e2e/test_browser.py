@@ -202,6 +202,20 @@ def _run_all(page, timeout: float = 60) -> None:
         time.sleep(1)
 
 
+def _wait_until_ran(nb, timeout: float) -> None:
+    """Until every code cell of notebook panel ``nb`` shows an execution count and none a "*"; a traceback
+    on the way fails at once."""
+    prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
+    deadline = time.monotonic() + timeout
+    while True:
+        texts = prompts.all_inner_texts()
+        if all(any(ch.isdigit() for ch in t) for t in texts) and not any("*" in t for t in texts):
+            return
+        assert "Traceback (most recent call last)" not in nb.inner_text(), nb.inner_text()[-3000:]
+        assert time.monotonic() < deadline, f"Run All did not finish in {timeout} s: {texts}"
+        time.sleep(1)
+
+
 def test_quickstart_panel_in_browser(server):
     from playwright.sync_api import expect, sync_playwright
 
@@ -228,15 +242,7 @@ def test_quickstart_panel_in_browser(server):
             n_code = sum(c["cell_type"] == "code"
                          for c in json.loads((ROOT / "notebooks" / NOTEBOOK).read_text())["cells"])
             expect(prompts).to_have_count(n_code)
-            deadline = time.monotonic() + RUN_ALL_TIMEOUT_S
-            while True:
-                texts = prompts.all_inner_texts()
-                done = [t for t in texts if any(ch.isdigit() for ch in t)]
-                if len(done) == n_code and not any("*" in t for t in texts):
-                    break
-                assert "Traceback (most recent call last)" not in nb.inner_text(), nb.inner_text()[-3000:]
-                assert time.monotonic() < deadline, f"Run All did not finish in {RUN_ALL_TIMEOUT_S} s: {texts}"
-                time.sleep(1)
+            _wait_until_ran(nb, RUN_ALL_TIMEOUT_S)
             outputs = nb.locator(".jp-OutputArea").all_inner_texts()
             assert not any("Traceback (most recent call last)" in t for t in outputs), "\n".join(outputs)[-3000:]
 

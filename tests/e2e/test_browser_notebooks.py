@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import time
 
 import pytest
 
 from .test_browser import (ARTIFACTS, BROWSER_ARGS, CHROMIUM, KNOWN_UPSTREAM_ERRORS, ROOT, JupyterServer,
-                           _missing, _run_all, _wait_for_kernel)
+                           _missing, _run_all, _wait_for_kernel, _wait_until_ran)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
@@ -46,14 +45,7 @@ def test_tutorial_runs_all_in_jupyterlab(tmp_path, notebook):
                              for c in json.loads((ROOT / "notebooks" / notebook).read_text())["cells"])
                 prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
                 expect(prompts).to_have_count(n_code)
-                deadline = time.monotonic() + RUN_ALL_TIMEOUT_S
-                while True:
-                    texts = prompts.all_inner_texts()
-                    if all(any(ch.isdigit() for ch in t) for t in texts) and not any("*" in t for t in texts):
-                        break
-                    assert "Traceback (most recent call last)" not in nb.inner_text(), nb.inner_text()[-3000:]
-                    assert time.monotonic() < deadline, f"Run All did not finish in {RUN_ALL_TIMEOUT_S} s: {texts}"
-                    time.sleep(1)
+                _wait_until_ran(nb, RUN_ALL_TIMEOUT_S)
                 outputs = "\n".join(nb.locator(".jp-OutputArea").all_inner_texts())
                 assert "Traceback (most recent call last)" not in outputs and "AssertionError" not in outputs, \
                     outputs[-3000:]
