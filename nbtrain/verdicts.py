@@ -84,17 +84,44 @@ def leaves_band(diff: pd.Series, band: SeedBand) -> Optional[int]:
 
 # Fewer repeats than this never rank two variants, however their timings fall.
 MIN_RANKED_REPEATS = 3
+# The smallest speed difference ever reported (3%), however quiet the machine looked: below it, what two
+# identical runs differ by (allocator state, caches, the process's growth) is of the same size.
+MIN_EFFECT = 0.03
+
+
+def _finite(values: Sequence[Optional[float]]) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+
+
+def noise_floor(reference_timings: Sequence[float], aa_timings: Sequence[float] = ()) -> float:
+    """How far (relative, 0.04 = ±4%) two identical runs' throughputs differ on this machine; NaN when unknown.
+
+    With ``aa_timings`` (an unrecorded copy of the reference, timed in every repeat beside it) the floor is the
+    largest |copy / reference - 1| over the repeats; else, with at least MIN_RANKED_REPEATS repeats, the
+    reference's own range over its repeats relative to its median. Never below MIN_EFFECT."""
+    pairs = [(a, b) for a, b in zip(aa_timings, reference_timings)
+             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0]
+    if pairs:
+        floor = max(max(a / b, b / a) - 1 for a, b in pairs)
+    else:
+        ref = _finite(reference_timings)
+        if len(ref) < MIN_RANKED_REPEATS:
+            return math.nan
+        floor = (max(ref) - min(ref)) / statistics.median(ref)
+    return max(MIN_EFFECT, floor)
 
 
 @dataclass
 class Speed:
     """Throughput of a variant relative to the reference: the median of the paired per-repeat ratios and
-    their range. ``n`` repeats; with one the spread is unknown (``low``/``high`` equal the ratio)."""
+    their range. ``n`` repeats; with one the spread is unknown (``low``/``high`` equal the ratio). ``floor`` is
+    the noise floor it is judged against (``noise_floor``; NaN when unknown)."""
 
     ratio: float
     low: float
     high: float
     n: int
+    floor: float = math.nan
 
     @property
     def spread(self) -> float:
@@ -104,19 +131,27 @@ class Speed:
     @property
     def measurable(self) -> bool:
         """True when at least MIN_RANKED_REPEATS repeats all order the two the same way (the whole range is
-        above or below 1). Two identical variants agree in two repeats half the time, in three a quarter."""
-        return self.n >= MIN_RANKED_REPEATS and (self.low > 1.0 or self.high < 1.0)
+        above or below 1) and the median ratio is further from 1 than the noise floor (and MIN_EFFECT), in
+        either direction (1.05x faster and 1.05x slower alike)."""
+        if self.n < MIN_RANKED_REPEATS or not (self.low > 1.0 or self.high < 1.0):
+            return False
+        floor = self.floor if math.isfinite(self.floor) else MIN_EFFECT
+        return max(self.ratio, 1 / self.ratio) - 1 > max(floor, MIN_EFFECT)
 
 
-def speed(timings: Sequence[float], reference_timings: Sequence[float]) -> Optional[Speed]:
-    """Tokens/s of a variant over the reference's, paired by repeat (repeat r of each ran interleaved, under
-    the same machine conditions); None when either has no finite timing."""
+def speed(timings: Sequence[float], reference_timings: Sequence[float],
+          floor: Optional[float] = None) -> Optional[Speed]:
+    """Tokens/s of a variant over the reference's, paired by repeat (repeat r of each ran in the same round,
+    under the same machine conditions); None when either has no finite timing. ``floor`` defaults to
+    ``noise_floor(reference_timings)``."""
     pairs = [(a, b) for a, b in zip(timings, reference_timings)
              if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and b > 0]
     if not pairs:
         return None
     ratios = [a / b for a, b in pairs]
-    return Speed(statistics.median(ratios), min(ratios), max(ratios), len(ratios))
+    if floor is None:
+        floor = noise_floor(reference_timings)
+    return Speed(statistics.median(ratios), min(ratios), max(ratios), len(ratios), float(floor))
 
 
 @dataclass
@@ -131,6 +166,7 @@ class Verdict:
     max_abs_diff: float = math.nan          # max |loss - reference loss| over the common steps
     within_noise: Optional[bool] = None     # None without a seed band
     leaves_band_at: Optional[int] = None    # first step outside the band
+    direction: Optional[str] = None         # "lower" | "higher": the loss's side of the band at that step
     skipped_steps: int = 0
     nonfinite_steps: int = 0
     scale_first: Optional[float] = None
@@ -169,22 +205,35 @@ def _speed_text(s: Optional[Speed], reference: str) -> str:
     if s.n < MIN_RANKED_REPEATS:
         return (f"{s.ratio:.2f}x the speed of {reference} (±{s.spread:.2f} over {s.n} timings: too few to rank, "
                 f"use repeats={MIN_RANKED_REPEATS})")
+    floor = s.floor if math.isfinite(s.floor) else MIN_EFFECT
     if not s.measurable:
-        return f"no measurable speed difference ({s.ratio:.2f}x, ±{s.spread:.2f})"
+        return f"no measurable speed difference ({s.ratio:.2f}x, within ±{floor:.2f} noise)"
+    # measurable means at least MIN_EFFECT away from 1, so two decimals never read "1.00x faster"
     if s.ratio >= 1:
-        return f"{s.ratio:.2f}x faster (±{s.spread:.2f})"
-    return f"{1 / s.ratio:.2f}x slower (±{s.spread / s.ratio ** 2:.2f})"
+        return f"{s.ratio:.2f}x faster (±{s.spread:.2f}, noise ±{floor:.2f})"
+    return f"{1 / s.ratio:.2f}x slower (±{s.spread / s.ratio ** 2:.2f}, noise ±{floor:.2f})"
+
+
+# Which way an eval difference (variant - reference) is better: accuracy up, loss down.
+_EVAL_BETTER = {"eval_accuracy": 1.0, "eval_loss": -1.0}
+
+
+def _eval_text(column: str, diff: float, reference: str) -> str:
+    word = ("same" if diff == 0 else "better" if diff * _EVAL_BETTER[column] > 0 else "worse")
+    return f"{column.replace('_', ' ')} {diff:+.3g} ({word}) vs {reference}"
 
 
 def verdict(name: str, reference: str, history: Any, reference_history: Any, summary: Mapping[str, Any],
             *, timings: Sequence[float] = (), reference_timings: Sequence[float] = (),
             band: Optional[SeedBand] = None, eval_history: Any = None,
             reference_eval_history: Any = None, scaler: Optional[bool] = None,
-            initial_scale: Optional[float] = None, seed_wall_s: Optional[Mapping[int, float]] = None) -> Verdict:
+            initial_scale: Optional[float] = None, seed_wall_s: Optional[Mapping[int, float]] = None,
+            aa_timings: Sequence[float] = ()) -> Verdict:
     """The verdict of one variant that ran, against the reference run (and the seed band when given).
 
     ``initial_scale`` is the loss scale before the first step (the history holds each step's scale after its
-    update); ``seed_wall_s`` (seed -> seconds) is what the reference's seed runs cost, stated in its verdict.
+    update); ``seed_wall_s`` (seed -> seconds) is what the reference's seed runs cost, stated in its verdict;
+    ``aa_timings`` (an identical copy of the reference timed in each repeat) sets the speed's noise floor.
     """
     v = Verdict(name, reference, is_reference=(name == reference))
     v.stopped_reason = summary.get("stopped_reason")
@@ -206,7 +255,7 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
             v.parts.append("the reference" + (f" (seed noise from seeds {', '.join(map(str, band.seeds))})"
                                               if band is not None else ""))
     else:
-        v.speed = speed(timings, reference_timings)
+        v.speed = speed(timings, reference_timings, noise_floor(reference_timings, aa_timings))
         v.parts.append(_speed_text(v.speed, reference))
         diff = differences({reference: reference_history, name: history}, reference)[name]
         finite = diff[np.isfinite(diff)]
@@ -216,8 +265,17 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
         if band is not None and len(judged):
             v.leaves_band_at = leaves_band(diff, band)
             v.within_noise = v.leaves_band_at is None
-            v.parts.append("loss within seed noise at every step" if v.within_noise
-                           else f"loss leaves the noise band at step {v.leaves_band_at}")
+            if v.within_noise:
+                v.parts.append("loss within seed noise at every step")
+            else:
+                v.direction = "lower" if diff.loc[v.leaves_band_at] < 0 else "higher"
+                text = f"loss {v.direction} than {reference} beyond seed noise from step {v.leaves_band_at}"
+                # A run that leaves on one side and ends outside on the other says both.
+                last = judged.index[-1]
+                end = "lower" if judged.loc[last] < 0 else "higher"
+                if end != v.direction and not band.contains(judged.loc[[last]]).iloc[0]:
+                    text += f", {end} at its last step ({last})"
+                v.parts.append(text)
         elif band is not None:
             v.parts.append("no step to hold against the seed noise band")
         elif math.isfinite(v.max_abs_diff):
@@ -229,7 +287,7 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
             ev = ev.dropna()
             if len(ev):
                 v.eval_diff = (col, float(ev.iloc[-1]))
-                v.parts.append(f"{col.replace('_', ' ')} {ev.iloc[-1]:+.3g} vs {reference}")
+                v.parts.append(_eval_text(col, v.eval_diff[1], reference))
                 break
     if scaler or v.scale_first is not None:
         drop = (f" (scale {_scale_text(v.scale_first)} → {_scale_text(v.scale_min)})"

@@ -64,7 +64,7 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
                      timings=[160, 150, 170], reference_timings=[100, 100, 100], band=band)
     assert good.within_noise and good.leaves_band_at is None
     assert good.max_abs_diff == pytest.approx(0.05)
-    assert good.text == "bf16: 1.60x faster (±0.10), loss within seed noise at every step"
+    assert good.text == "bf16: 1.60x faster (±0.10, noise ±0.03), loss within seed noise at every step"
 
     fp16 = hist([5.0, 5.0, 5.0, 3.5], scale=[65536.0, 32768.0, 16384.0, 8192.0])
     bad = V.verdict("fp16", "fp32", fp16, ref,
@@ -72,8 +72,9 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
                     timings=[105, 95, 101], reference_timings=[100, 100, 100], band=band, scaler=True)
     assert bad.leaves_band_at == 2 and bad.within_noise is False
     assert (bad.scale_first, bad.scale_min) == (65536.0, 8192.0)
-    assert bad.text == ("fp16: no measurable speed difference (1.01x, ±0.05), loss leaves the noise band at "
-                        "step 2, 3 skipped steps (scale 65,536 → 8,192)")
+    assert bad.direction == "higher"
+    assert bad.text == ("fp16: no measurable speed difference (1.01x, within ±0.03 noise), loss higher than fp32 "
+                        "beyond seed noise from step 2, 3 skipped steps (scale 65,536 → 8,192)")
 
     ref_v = V.verdict("fp32", "fp32", ref, ref, {"skipped_steps": 0}, band=band)
     assert ref_v.is_reference and ref_v.text == "fp32: the reference (seed noise from seeds 1, 2)"
@@ -93,7 +94,13 @@ def test_eval_difference_is_in_the_verdict():
     ev_ref = pd.DataFrame({"step": [2], "eval_loss": [4.5], "eval_accuracy": [0.5]})
     ev = pd.DataFrame({"step": [2], "eval_loss": [4.4], "eval_accuracy": [0.75]})
     v = V.verdict("lora", "full", hist([5.0, 3.9]), ref, {}, eval_history=ev, reference_eval_history=ev_ref)
-    assert v.eval_diff == ("eval_accuracy", 0.25) and "eval accuracy +0.25 vs full" in v.text
+    assert v.eval_diff == ("eval_accuracy", 0.25) and "eval accuracy +0.25 (better) vs full" in v.text
+    worse = V.verdict("lora", "full", hist([5.0, 3.9]), ref, {}, eval_history=ev.assign(eval_accuracy=[0.25]),
+                      reference_eval_history=ev_ref)
+    assert "eval accuracy -0.25 (worse) vs full" in worse.text
+    loss_only = V.verdict("lora", "full", hist([5.0, 3.9]), ref, {}, eval_history=ev[["step", "eval_loss"]],
+                          reference_eval_history=ev_ref[["step", "eval_loss"]])
+    assert "eval loss -0.1 (better) vs full" in loss_only.text
 
 
 def test_two_agreeing_repeats_are_too_few_to_rank():
@@ -104,3 +111,53 @@ def test_two_agreeing_repeats_are_too_few_to_rank():
                   reference_timings=[100, 100])
     assert "too few to rank" in v.text and "faster" not in v.text
     assert V.speed([105, 104, 103], [100, 100, 100]).measurable
+
+
+def test_noise_floor_is_the_references_own_spread_or_the_aa_pair_and_never_below_the_minimum():
+    assert V.noise_floor([100, 110, 95]) == pytest.approx(15 / 100)
+    assert V.noise_floor([100, 100.5, 100]) == V.MIN_EFFECT
+    assert math.isnan(V.noise_floor([100, 101]))                        # two repeats say nothing of the noise
+    # an explicit A/A copy: the largest way it strayed from the reference in any repeat, either direction
+    assert V.noise_floor([100, 100, 100], aa_timings=[104, 100, 95]) == pytest.approx(100 / 95 - 1)
+    # all three ratios above 1, but inside the reference's own ±15%: no ranking
+    noisy = V.speed([110, 120, 105], [100, 110, 95])
+    assert noisy.low > 1 and noisy.floor == pytest.approx(0.15) and not noisy.measurable
+    v = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[110, 120, 105],
+                  reference_timings=[100, 110, 95])
+    assert "no measurable speed difference (1.10x, within ±0.15 noise)" in v.text
+    # agreeing repeats, a quiet machine, but 2% is under the minimum effect
+    assert not V.speed([102, 102, 102], [100, 100, 100]).measurable
+    # the same difference stated as slower is judged alike (1/0.95 - 1 > 3%)
+    slow = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[95, 95, 95],
+                     reference_timings=[100, 100, 100])
+    assert slow.speed.measurable and slow.text.startswith("b: 1.05x slower (±0.00, noise ±0.03)")
+    aa = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[95, 95, 95],
+                   reference_timings=[100, 100, 100], aa_timings=[100, 106, 100])
+    assert not aa.speed.measurable and "within ±0.06 noise" in aa.text
+
+
+def test_no_ratio_of_one_is_ever_called_faster_or_slower():
+    rng = np.random.default_rng(0)
+    import re
+
+    for _ in range(2000):
+        n = int(rng.integers(1, 6))
+        ref = list(100 * (1 + rng.normal(0, 0.02, n)))
+        var = list(np.array(ref) * (1 + rng.normal(0, 0.03, n)))
+        text = V._speed_text(V.speed(var, ref), "a")
+        assert not re.search(r"1\.00x (faster|slower)", text), text
+        if "faster" in text or "slower" in text:
+            assert V.speed(var, ref).measurable
+
+
+def test_the_loss_verdict_says_which_way_the_loss_went():
+    ref = hist([5.0, 4.0, 3.0, 2.0])
+    band = V.seed_band(ref, {1: hist([5.1, 4.1, 3.1, 2.1])}, 0)
+    lower = V.verdict("lr10", "a", hist([5.0, 3.5, 2.0, 1.0]), ref, {}, band=band)
+    assert lower.direction == "lower" and "loss lower than a beyond seed noise from step 2" in lower.text
+    higher = V.verdict("lr1000", "a", hist([5.0, 4.05, 7.0, 9.0]), ref, {}, band=band)
+    assert higher.direction == "higher" and "loss higher than a beyond seed noise from step 3" in higher.text
+    assert "at its last step" not in higher.text
+    # left below the band, ended above it: both are said
+    both = V.verdict("x", "a", hist([5.0, 3.5, 3.0, 4.0]), ref, {}, band=band)
+    assert "loss lower than a beyond seed noise from step 2, higher at its last step (4)" in both.text
