@@ -147,3 +147,24 @@ def test_none_on_cuda():
     assert r.summary["device"] == "cuda"
     assert r.history.host_tensors_gib.isna().all() and r.summary["peak_host_tensors_gib"] is None
     assert r.history.vram_peak_gib.notna().all()
+
+
+def test_run_tensors_are_measured_on_sampled_steps_and_the_record_says_which():
+    """The tracer costs the loop several percent, so it runs on steps 1-3, every 10th and the last; the others
+    record None (issue 25.4), and the peak is the measured steps' peak."""
+    r = nbt.train(nbt.TrainConfig(**SMALL, max_steps=23))
+    h = r.history
+    measured = list(h.step[h.host_tensors_gib.notna()])
+    assert measured == [1, 2, 3, 10, 20, 23]
+    assert r.summary["peak_host_tensors_gib"] == pytest.approx(h.host_tensors_gib.max())
+    # packed full-length rows: every measured step from 2 on holds the same tensors
+    assert h.host_tensors_gib.dropna().iloc[1:].nunique() == 1
+    tracker = RunTensorBytes("cpu", torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),
+                             total_steps=45)
+    assert [s for s in range(1, 46) if tracker.measures(s)] == [1, 2, 3, 10, 20, 30, 40, 45]
+    # the figure draws the measured steps as markers joined across the unmeasured ones
+    pytest.importorskip("plotly")
+    from nbtrain.viz import figures as F
+
+    tr = F.find_trace(F.run_figure(h), "memory", "host_tensors")
+    assert tr.connectgaps and "markers" in tr.mode

@@ -82,6 +82,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             st.data_hash = chain_step(st.data_hash, micro, st.data.task)
             loss_acc = torch.zeros((), device=device)
             local = dist.shard(micro, st.data)
+            st.host_tensors.begin_step(step)   # CPU run-tensor count on sampled steps only (it costs the loop)
             with st.rng.active():   # dropout draws from this run's stream only
                 for i, mb in enumerate(local):
                     # Pinned host memory: the copy is queued without waiting for the GPU (a pageable one waits).

@@ -171,7 +171,7 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
         tokenizer=tokenizer, data=data, model=model, fwd_model=fwd_model, params=params, optimizer=optimizer,
         scheduler=scheduler, scaler=scaler, total_steps=total_steps, info=info,
         nonfinite_policy=cfg.nonfinite or ("skip" if spec.scaler else "stop"),
-        host_tensors=RunTensorBytes(device, model, optimizer),
+        host_tensors=RunTensorBytes(device, model, optimizer, total_steps),
         chunk_tokens=chunk_tokens, loss_parts=loss_parts, compiled=compiled, lean=lean, init_hash=init_hash,
         variant=variant, notes=notes, stop_file=os.environ.get("NBTRAIN_STOP_FILE"),
         ckpt_dir=Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and dist.rank == 0 else None,

@@ -37,10 +37,23 @@ class RunTensorBytes:
     are thread-local in torch, and the counts live on this object, so concurrent runs never see each other's
     tensors (a process-wide allocator counter would). Not counted: an op's short-lived temporaries, and what a
     checkpointed layer recomputes in backward (torch's checkpoint packs it with its own hooks).
-    Disabled (``micro()`` a no-op, ``step_peak()`` None) off the CPU, where the allocator answers."""
+    Disabled (``micro()`` a no-op, ``step_peak()`` None) off the CPU, where the allocator answers.
 
-    def __init__(self, device: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    Sampled: packing every saved tensor in Python costs the loop several percent, so only the steps that
+    ``measures(step)`` picks are measured (the first MEASURE_FIRST, every MEASURE_EVERY-th, and the last); the
+    others record None. A step's tensors are the same shapes every step (up to the batch's padded length), so
+    the measured steps show the run's peak."""
+
+    #: steps 1..MEASURE_FIRST are measured (step 2 is the first with optimizer state and all gradients)
+    MEASURE_FIRST = 3
+    #: then every MEASURE_EVERY-th step, and the run's last
+    MEASURE_EVERY = 10
+
+    def __init__(self, device: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 total_steps: Optional[int] = None):
         self.enabled = device == "cpu"
+        self.total_steps = total_steps
+        self._on = self.enabled   # whether the current step is measured (every step until begin_step says)
         # listed once: walking the module tree costs more than reading every storage it yields
         self._params, self._buffers = list(model.parameters()), list(model.buffers())
         self._optimizer = optimizer
@@ -87,10 +100,19 @@ class RunTensorBytes:
             del self._live[key]
             self._now -= entry[1]
 
+    def measures(self, step: int) -> bool:
+        """Whether ``step`` is one of the measured steps."""
+        return self.enabled and (step <= self.MEASURE_FIRST or step % self.MEASURE_EVERY == 0
+                                 or step == self.total_steps)
+
+    def begin_step(self, step: int) -> None:
+        """Called before a step's first micro-batch: decides whether this step is measured."""
+        self._on = self.measures(step)
+
     @contextlib.contextmanager
     def micro(self):
         """Around one micro-batch's forward and backward: its saved tensors on top of what the run holds."""
-        if not self.enabled:
+        if not self._on:
             yield
             return
         # earlier micro-batches' gradients are here all through this one's forward
@@ -104,8 +126,9 @@ class RunTensorBytes:
 
     def step_peak(self) -> Optional[float]:
         """The step's peak in GiB, read once per step after the optimizer step and before the gradients go
-        (weights, all gradients and the optimizer state together); starts the next step's window."""
-        if not self.enabled:
+        (weights, all gradients and the optimizer state together); starts the next step's window. None on
+        a step that was not measured."""
+        if not self._on:
             return None
         peak = max(self._step_peak, self._persistent()[0])
         self._step_peak = 0

@@ -36,6 +36,8 @@ _SOLO = dict(loss="#9ecae1", loss_ema="#1f77b4", eval_loss="#ff7f0e", grad_norm=
              host_tensors="#1f77b4", host_rss_secondary="#9e9e9e")
 # What process RSS is, wherever it is drawn next to the run's own tensors.
 RSS_NOTE = "process RSS — whole process, includes earlier runs and libraries"
+# The run-tensor count is taken on sampled steps (RunTensorBytes.measures): the line joins those.
+TENSORS_NOTE = "run tensors, measured on this step (steps 1-3, every 10th and the last)"
 MAX_SCALE_TICKS = 6    # more labels than this on the scale axis crowd into each other
 TITLE_FONT = 14        # figure title
 SUBPLOT_TITLE_FONT = 16  # make_subplots' default for panel titles
@@ -303,8 +305,10 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
                 line=dict(dash="dash", width=1, **line("device_total")), hoverinfo="skip")
     elif _tensors_measured(c):
         # The run's own tensors are what the run costs; RSS also counts earlier runs and libraries.
+        # Measured on sampled steps only (None between them): markers at the measured steps, a line through them.
         add("memory", "host_tensors", "run tensors (GiB)", legend=not overlay, x=x, y=c["host_tensors_gib"],
-            mode="lines", line=dict(width=2, **line("host_tensors")))
+            mode="lines+markers", connectgaps=True, marker=dict(size=4), line=dict(width=2, **line("host_tensors")),
+            hovertemplate="step %{x}<br>%{y:.3g} GiB<br>" + TENSORS_NOTE + "<extra></extra>")
         if not overlay:
             add("memory", "host_rss", "process RSS (whole process)", x=x, y=c["host_rss_gib"], mode="lines",
                 line=dict(dash="dot", width=1, color=_SOLO["host_rss_secondary"]), opacity=0.8,
