@@ -36,6 +36,10 @@ Tracker = Literal["tensorboard", "trackio", "mlflow", "wandb"]
 TRACKERS: tuple[str, ...] = get_args(Tracker)
 
 
+# fields that name a file or a directory: an os.PathLike (pathlib.Path) is accepted and stored as its string
+PATH_FIELDS = ("model", "data", "output_dir", "resume_from")
+
+
 class ConfigError(ValueError):
     """A TrainConfig value, or a combination of values, that is not allowed. ``.field`` names it."""
 
@@ -43,6 +47,9 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.field = field
         self.errors = errors or [{"field": field, "message": message}]
+
+
+_TARGETS_ALLOWED = "'all-linear', or module names separated by commas ('q_proj,v_proj') or in a list"
 
 
 def _describe(err: dict) -> tuple[str, str]:
@@ -164,6 +171,12 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"must be a number, not a bool (got {v!r})")
         return v
 
+    @field_validator(*PATH_FIELDS, mode="before")
+    @classmethod
+    def _path_like(cls, v):
+        # Path("data/train.jsonl"), or any os.PathLike, is stored as its string: to_dict and to_yaml stay plain
+        return os.fsdecode(v) if isinstance(v, os.PathLike) else v
+
     @field_validator("output_dir", "resume_from")
     @classmethod
     def _path_or_none(cls, v: Optional[str]) -> Optional[str]:
@@ -182,19 +195,23 @@ class TrainConfig(BaseModel):
     @classmethod
     def _targets_type(cls, v):
         if not isinstance(v, (str, list, tuple)):
-            raise ValueError(f"must be 'all-linear' or a list of module names, got {v!r}")
+            raise ValueError(f"must be {_TARGETS_ALLOWED}, got {v!r}")
         return list(v) if isinstance(v, tuple) else v
 
     @field_validator("lora_targets")
     @classmethod
     def _targets(cls, v):
-        if isinstance(v, str):
-            if v != "all-linear":
-                raise ValueError(f"must be 'all-linear' or a list of module names, got {v!r}")
-            return v
-        if not v or not all(isinstance(t, str) and t.strip() for t in v):
-            raise ValueError(f"must be 'all-linear' or a non-empty list of module names, got {v!r}")
-        return [t.strip() for t in v]
+        # "q_proj,v_proj" (LLaMA-Factory's lora_target, the Panel's text box) is the list ["q_proj", "v_proj"]
+        items = v.split(",") if isinstance(v, str) else v
+        if isinstance(v, str) and v.strip() == "all-linear":
+            return "all-linear"
+        if not items or not all(isinstance(t, str) and t.strip() for t in items):
+            raise ValueError(f"must be {_TARGETS_ALLOWED}, with no empty name; got {v!r}")
+        names = [t.strip() for t in items]
+        if "all-linear" in names and len(names) > 1:
+            raise ValueError(f"'all-linear' already means every linear layer: give it alone, or name the modules "
+                             f"instead; got {v!r}")
+        return names
 
     @field_validator("report_to", mode="before")
     @classmethod

@@ -2,6 +2,7 @@
 config is a pure value (what the device or the model allows is checked by check_runnable / check_lora_targets)."""
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ BAD = [
     (dict(packing=True, task="sequence-classification"), "packing"),
     (dict(max_seq_len=2), "max_seq_len"),
     (dict(model=""), "model"),
-    (dict(lora_targets="attention"), "lora_targets"),
+    (dict(lora_targets="q_proj,,v_proj"), "lora_targets"),
     (dict(learning_rate=1e-4), "learning_rate"),
     (dict(subset=0), "subset"),
 ]
@@ -53,6 +54,78 @@ def test_unknown_lora_target_fails_when_checked_not_at_construction():
     check_lora_targets(cfg.replace(lora_targets="all-linear"))
     check_lora_targets(cfg.replace(method="full"))                           # full fine-tuning has no targets
     check_lora_targets(cfg.replace(model="no-such-org/no-such-model-xyz"))   # not cached: cannot tell, no error
+
+
+class _PathLike:
+    """An os.PathLike that is not a pathlib.Path (as some libraries hand out)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __fspath__(self):
+        return self.path
+
+
+def test_path_fields_take_any_os_pathlike_and_store_the_string(tmp_path):
+    """issue 25: TrainConfig(model=Path(...)) was refused with "Input should be a valid string"."""
+    from nbtrain.config import PATH_FIELDS
+
+    assert set(PATH_FIELDS) == {"model", "data", "output_dir", "resume_from"}
+    for field in PATH_FIELDS:
+        for value in (tmp_path / "x", _PathLike(tmp_path / "y")):
+            cfg = nbt.TrainConfig(**{field: value})
+            assert getattr(cfg, field) == os.fspath(value) and type(getattr(cfg, field)) is str
+            assert cfg.to_dict()[field] == os.fspath(value)
+            assert cfg.replace(**{field: value}) == cfg
+            cfg.to_yaml(tmp_path / "c.yaml")
+            assert f"{field}: {os.fspath(value)}" in (tmp_path / "c.yaml").read_text()
+            assert nbt.TrainConfig.from_yaml(tmp_path / "c.yaml") == cfg
+    with pytest.raises(ConfigError) as e:   # an empty path is still refused, naming the field
+        nbt.TrainConfig(output_dir=_PathLike(" "))
+    assert e.value.field == "output_dir"
+
+    # a run of a config made of Paths: data read, outputs written where the Path says
+    text = tmp_path / "train.txt"
+    text.write_text("\n".join(f"line {i} of some plain text to learn" for i in range(40)))
+    out = tmp_path / "out"
+    r = nbt.train(nbt.TrainConfig(data=text, output_dir=out, max_steps=1, subset=8, max_seq_len=16,
+                                  micro_batch_size=4, eval_fraction=0.0, precision="fp32"))
+    assert r.summary["steps"] == 1 and r.config.data == str(text) and (out / "config.yaml").is_file()
+
+
+def test_lora_targets_comma_separated():
+    """issue 25: "module names, comma-separated" says the help, and LLaMA-Factory writes lora_target: a,b."""
+    assert "comma-separated" in TrainConfig.model_fields["lora_targets"].description
+    for given in ("q_proj,v_proj", " q_proj , v_proj ", ["q_proj", "v_proj"], ("q_proj", "v_proj")):
+        assert nbt.TrainConfig(lora_targets=given).lora_targets == ["q_proj", "v_proj"], given
+    assert nbt.TrainConfig(lora_targets="o_proj").lora_targets == ["o_proj"]
+    assert nbt.TrainConfig(lora_targets=" all-linear ").lora_targets == "all-linear"   # the word stays a string
+    assert nbt.TrainConfig(lora_targets=["all-linear"]).lora_targets == ["all-linear"]   # a list stays a list
+    cfg = nbt.TrainConfig(method="lora", lora_targets="q_proj,v_proj")
+    assert nbt.TrainConfig(**dict([parse_override("lora_targets=q_proj,v_proj")])) == \
+        nbt.TrainConfig(lora_targets=["q_proj", "v_proj"])                              # nbtrain train --set
+    assert "lora_targets:\n- q_proj\n- v_proj\n" in cfg.to_yaml()
+    check_lora_targets(cfg.replace(model="tiny"))                                         # tiny has both
+    for bad in ("q_proj,,v_proj", "q_proj,", ",", "", "  ", [], ["q_proj", " "], "all-linear,q_proj",
+                ["all-linear", "q_proj"]):
+        with pytest.raises(ConfigError) as e:
+            nbt.TrainConfig(lora_targets=bad)
+        assert e.value.field == "lora_targets" and "lora_targets" in str(e.value), bad
+        assert repr(bad) in str(e.value)
+
+
+def test_lora_targets_from_a_llamafactory_yaml(tmp_path):
+    from nbtrain.integrations.exports import from_llamafactory_yaml, to_llamafactory_yaml
+
+    path = tmp_path / "lf.yaml"
+    path.write_text("model_name_or_path: tiny\nstage: pt\ndo_train: true\nfinetuning_type: lora\n"
+                    "lora_target: q_proj,v_proj\ndataset: c4_demo\ncutoff_len: 64\n")
+    back = from_llamafactory_yaml(path, data="builtin:python-docs")
+    assert back.method == "lora" and back.lora_targets == ["q_proj", "v_proj"]
+    cfg = nbt.TrainConfig(method="lora", lora_targets="q_proj,v_proj")
+    to_llamafactory_yaml(cfg, tmp_path / "out.yaml")
+    assert "lora_target: q_proj,v_proj" in (tmp_path / "out.yaml").read_text()
+    assert from_llamafactory_yaml(tmp_path / "out.yaml").lora_targets == cfg.lora_targets
 
 
 def test_precision_the_device_cannot_run_gives_reason_when_checked():
