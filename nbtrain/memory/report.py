@@ -7,10 +7,24 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from .estimate import MemoryEstimate
+
+class MemoryEstimate(Protocol):
+    """What a report reads of an estimate (``estimate.MemoryEstimate`` has it): named here, not imported, so
+    that the estimate can print itself with this module and this module needs nothing of it."""
+
+    config: Any
+    precision: str
+    total_params: int
+    trainable_params: int
+    total_gib: float
+    peak_phase: str
+    device: str
+    device_total_gib: float
+    fits: bool
+    notes: Sequence[str]
+    advice: Sequence[Any]
 
 # (label, MemoryEstimate attribute): the parts, then the step's peak
 PART_ROWS = (("weights", "weights_gib"), ("gradients", "gradients_gib"), ("optimizer", "optimizer_gib"),
