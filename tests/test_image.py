@@ -6,6 +6,7 @@ and fairness invariants, the memory estimate, the AutoTrain export and the error
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -343,6 +344,76 @@ def test_folder_without_images_and_one_class(tmp_path, vit_cfg):
     (one / "1.png").write_bytes(b"")
     with pytest.raises(DataError, match="only one class"):
         nbt.train(vit_cfg.replace(data=str(tmp_path / "only")))
+
+
+def _folder_with_a_corrupt_png(root):
+    from PIL import Image
+
+    for c in ("cat", "dog"):
+        (root / c).mkdir(parents=True)
+        for i in range(4):
+            Image.new("L", (8, 8), color=30 * i).save(root / c / f"{i}.png")
+    bad = root / "dog" / "x.png"     # sorts after dog/0..3.png: the last file read
+    bad.write_bytes(b"these are not the bytes of a PNG file\n" * 4)
+    return bad
+
+
+class _Steps:
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, record):
+        self.steps.append(record.step)
+
+
+def test_a_corrupt_image_in_a_folder_is_a_data_error_before_step_1(tmp_path, vit_cfg):
+    """issue 25: one file of garbage bytes named x.png raised PIL's UnidentifiedImageError, during preprocessing."""
+    pytest.importorskip("PIL")
+    bad = _folder_with_a_corrupt_png(tmp_path / "pets")
+    cfg = vit_cfg.replace(data=str(tmp_path / "pets"), subset=None, eval_fraction=0.25)
+    seen = _Steps()
+    with pytest.raises(DataError) as e:
+        nbt.train(cfg, callbacks=[seen])
+    msg = str(e.value)
+    assert type(e.value) is DataError and e.value.__cause__ is None                  # no raw PIL error
+    assert str(bad) in msg and "UnidentifiedImageError" in msg and ".png" in msg and ".jpg" in msg
+    assert seen.steps == []                                                          # raised before step 1
+    from nbtrain.engine.prepare import prepare
+
+    with pytest.raises(DataError, match=re.escape(str(bad))):
+        prepare(cfg)
+    # every file is read before training, not only the subset's: x.png is the 8th image, subset=2 keeps 2
+    with pytest.raises(DataError, match=re.escape(str(bad))):
+        nbt.train(cfg.replace(subset=2, eval_fraction=0.0), callbacks=[seen])
+    assert seen.steps == []
+    bad.unlink()                                                                     # without it, the folder trains
+    assert nbt.train(cfg.replace(max_steps=1)).summary["steps"] == 1
+
+
+def test_a_corrupt_image_in_a_dataset_is_a_data_error(monkeypatch, vit_cfg):
+    pytest.importorskip("PIL")
+    import datasets
+
+    import nbtrain.data.loading as loading
+
+    good = _png_bytes()
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": good, "path": None}] * 3
+                                     + [{"bytes": b"garbage", "path": None}], "label": [0, 1, 0, 1]},
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.Value("int64")}))
+    monkeypatch.setattr(loading, "hub_dataset", lambda data, hint="": (ds, "train", f"dataset {data!r}"))
+    with pytest.raises(DataError, match=r"dataset 'someone/pets': cannot decode image 3 \(UnidentifiedImageError"):
+        nbt.train(vit_cfg.replace(data="someone/pets", subset=None, eval_fraction=0.0))
+
+
+def _png_bytes() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (8, 8), color=100).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def test_text_task_on_an_image_folder_says_so(tmp_path):

@@ -214,14 +214,14 @@ def _read(cfg: TrainConfig) -> _Images:
                        builtin.builtin_source(name), "label")
     path = Path(data).expanduser()
     if path.exists():
-        return _read_folder(path)
+        return _read_folder(path, keep=cfg.subset)
     if _looks_like_path(data):
         raise DataError(f"data: {data!r} does not exist (no such directory); give a folder with one subfolder "
                         "of images per class, 'builtin:digits' or a dataset id")
     return _read_hub(data, cfg)
 
 
-def _read_folder(path: Path) -> _Images:
+def _read_folder(path: Path, keep: int | None = None) -> _Images:
     where = f"image folder '{path}'"
     if not path.is_dir():
         raise DataError(f"data: '{path}' is a file; task='image-classification' reads a folder with one subfolder "
@@ -250,8 +250,29 @@ def _read_folder(path: Path) -> _Images:
         raise DataError(f"data: {where}: imagefolder found columns {list(ds.column_names)}, not image and label; "
                         "put each class's images in a subfolder named after the class")
     names = list(getattr(ds.features["label"], "names", None) or classes)
-    return _Images(images=ds["image"], labels=ds["label"], label_names=names, where=where,
+    return _Images(images=_decode_all(ds, where, keep), labels=ds["label"], label_names=names, where=where,
                    source=f"{path} (imagefolder, {len(names)} classes, {ds.num_rows} images)", label_column="label")
+
+
+def _decode_all(ds, where: str, keep: int | None) -> list[Any]:
+    """Every image file of an imagefolder ``ds`` decoded now, before training, as text files are read: a file
+    Pillow cannot read is a ``DataError`` naming it. The first ``keep`` images (all when None) are kept, decoded
+    as ``datasets`` decodes them; the rest (beyond ``subset``) are only checked, and stand as None."""
+    import datasets
+
+    feature = ds.features["image"]
+    files = ds.cast_column("image", datasets.Image(decode=False))["image"]
+    out: list[Any] = []
+    for i, f in enumerate(files):
+        try:
+            img = feature.decode_example(f)
+        except Exception as e:  # noqa: BLE001 - Pillow's errors (UnidentifiedImageError, OSError, ...) vary
+            why = str(e).splitlines()[0] if str(e) else ""
+            raise DataError(f"data: {where}: cannot read image file '{f.get('path')}' ({type(e).__name__}: {why}); "
+                            f"every file with an image extension ({', '.join(sorted(IMAGE_EXTS))}) in the class "
+                            "subfolders must be an image Pillow can decode: replace or remove it") from None
+        out.append(img if keep is None or i < keep else None)
+    return out
 
 
 def _read_hub(data: str, cfg: TrainConfig) -> _Images:
@@ -286,6 +307,17 @@ def _read_hub(data: str, cfg: TrainConfig) -> _Images:
                    source=f"dataset {data!r}, split {split!r} ({ds.num_rows} images)", label_column=label_col)
 
 
+def _decoded(images, i: int, where: str):
+    """Image ``i`` of ``images``: a dataset's image column decodes it here, and a file it cannot decode is a
+    ``DataError`` naming the row (an image folder's files were all decoded when it was read)."""
+    try:
+        return images[i]
+    except Exception as e:  # noqa: BLE001 - the decoder's own errors (PIL's) name no row
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise DataError(f"{where}: cannot decode image {i} ({type(e).__name__}: {why}); every image must be a file "
+                        "Pillow can decode") from None
+
+
 def _label_ids(rows: _Images) -> tuple[list[int], list[str] | None]:
     as_rows = _Rows(texts=[], labels=rows.labels, label_names=rows.label_names, where=rows.where,
                     source=rows.source, text_column="", label_column=rows.label_column)
@@ -311,7 +343,7 @@ def load_image_data(cfg: TrainConfig, processor: Any) -> DataBundle:
         images, labels = images[: cfg.subset], labels[: cfg.subset]
     train_idx, eval_idx = split_indices(len(images), cfg.eval_fraction, cfg.seed)
     keep = train_idx + eval_idx
-    pixels = preprocess(processor, [images[i] for i in keep])
+    pixels = preprocess(processor, [_decoded(images, i, rows.where) for i in keep])
     if pixels.dim() != 4 or pixels.shape[0] != len(keep):
         raise DataError(f"image processor {type(processor).__name__}: gave pixel values of shape "
                         f"{tuple(pixels.shape)} for {len(keep)} images; expected (N, C, H, W)")
