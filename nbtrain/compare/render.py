@@ -1,0 +1,416 @@
+"""How a ComparisonResult reads: the compact table, the notes under it, the verdict lines, the HTML summary and
+report, the plain-text table, the figures, and environment().
+
+``ComparisonViews`` is a mixin of ComparisonResult (result.py): its methods read the result's attributes
+(``table``, ``results``, ``verdicts``, ``notes``, ``completion``, ...) and compute nothing that the result does
+not already hold. Plotting is imported only inside the methods that draw (DESIGN rule 1).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import platform
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+import torch
+
+from .._version import __version__
+from ..hardware import capabilities
+
+_TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "steps", "order",
+                 "wall_s", "tokens_per_s", "speedup", "speedup_spread", "peak_vram_gib", "peak_host_rss_gib",
+                 "peak_host_tensors_gib", "final_loss", "eval_loss", "eval_perplexity", "eval_accuracy",
+                 "max_abs_loss_diff", "skipped_steps", "nonfinite_steps", "min_scale", "fair")
+MISSING = "—"   # the one marker for "no value" in the HTML views
+
+
+def _fmt_scale(v: float) -> str:
+    # A loss scale is a power of two: 65,536 reads at a glance, 6.554e+04 does not.
+    return f"{v:,.0f}" if v >= 1 else f"{v:g}"
+
+
+def _fmt_diff(v: float) -> str:
+    """A loss difference: fixed decimals when it is visible at 3 decimals, else 2 significant digits."""
+    if v == 0:
+        return "0"
+    return f"{v:.3f}" if v >= 0.01 else f"{v:.1e}"
+
+
+def _cell(v, fmt) -> str:
+    return fmt(v) if v is not None and not pd.isna(v) and math.isfinite(v) else MISSING
+
+
+def _loss_cell(v) -> str:
+    # A run's non-finite loss is a result ("nan"), not a missing value: never hide it.
+    if v is None:
+        return MISSING
+    return f"{v:.4f}" if math.isfinite(v) else str(float(v))
+
+
+def _fmt_gib(v: float) -> str:
+    """GiB to 3 significant digits without an exponent (0.0832, 1.74, 12.3, 123)."""
+    if v <= 0:
+        return "0"
+    decimals = min(6, max(0, 2 - math.floor(math.log10(v))))
+    return f"{v:.{decimals}f}"
+
+
+_FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.0f}",
+            "tokens_per_s_spread": "{:,.0f}", "speedup": "{:.2f}x", "speedup_spread": "±{:.2f}",
+            "noise_floor": "±{:.1%}", "peak_vram_gib": _fmt_gib,
+            "peak_host_rss_gib": _fmt_gib, "peak_host_tensors_gib": _fmt_gib, "final_loss": "{:.4f}",
+            "eval_loss": "{:.4f}", "eval_perplexity": "{:.1f}", "eval_accuracy": "{:.3f}",
+            "max_abs_loss_diff": "{:.2e}", "max_rel_loss_diff": "{:.2e}", "min_scale": _fmt_scale}
+
+# The compact view: its columns and their headers, split in two lines where a header is longer than the values
+# under it, so that every column stays narrow and ten of them fit a 968 px notebook output.
+_COMPACT_HEADERS = {"variant": ("Variant",), "precision": ("Precision",),
+                    "tokens_per_s": ("Tokens/s", "(speed-up)"), "memory": ("Peak memory", "(GiB)"), "final_loss": ("Final", "loss"), "eval": ("Eval", "loss"),
+                    "loss_diff": ("Max |Δ loss|", "vs reference"), "skipped": ("Skipped /", "non-finite"),
+                    "min_scale": ("Min", "scale"), "fair": ("Fair",)}
+_MEMORY_NOTES = {
+    "vram": "accelerator memory the run allocated (its peak)",
+    "tensors": "what the run's own tensors took at their peak (the process's resident memory, which grows "
+               "with every run in this kernel, is in the full table)",
+    "rss": "resident memory of the whole process at its peak: it includes what earlier runs in this kernel "
+           "left behind, so later variants look bigger",
+}
+
+
+class ComparisonViews:
+    """The views of a ComparisonResult (a mixin: ComparisonResult holds the data, this draws and formats it)."""
+
+    def figure(self, smoothing: float = 0.9):
+        """Overlaid loss, grad norm, loss scale and memory per variant, each variant's exact per-step loss
+        difference to the reference (eval differences as markers) over the seed-noise band, and bars of
+        throughput (with the repeats' range) and peak memory (a plotly Figure)."""
+        from ..viz.figures import compare_figure
+
+        not_run = {r.variant: r.notes for r in self.table.itertuples() if r.variant not in self.results}
+        return compare_figure(
+            {n: r.history for n, r in self.results.items()}, reference=self.reference,
+            summaries=self.summaries(), eval_histories={n: r.eval_history for n, r in self.results.items()},
+            infos={n: r.info for n, r in self.results.items()}, not_run=not_run, smoothing=smoothing,
+            band=self.band, throughput_range=self._throughput_range())
+
+    def difference_figure(self):
+        """The difference panel alone: each variant's loss minus the reference's per step, eval differences
+        as markers, over the seed-noise band (a small plotly Figure, shown by the Panel after a Compare)."""
+        from ..viz.figures import difference_figure
+
+        return difference_figure({n: r.history for n, r in self.results.items()}, reference=self.reference,
+                                 eval_histories={n: r.eval_history for n, r in self.results.items()},
+                                 band=self.band)
+
+
+    def _eval_column(self) -> str:
+        # Classification is judged by accuracy; a comparison with any causal LM keeps the loss.
+        return ("eval_accuracy" if "eval_accuracy" in self.table.columns
+                and "eval_perplexity" not in self.table.columns else "eval_loss")
+
+    @staticmethod
+    def _memory(r) -> tuple[float, str]:
+        """The peak memory a row is compared on and where it comes from ("vram", "tensors" or "rss")."""
+        if r.device == "cuda":
+            return r.peak_vram_gib, "vram"
+        if math.isfinite(r.peak_host_tensors_gib):
+            return r.peak_host_tensors_gib, "tensors"
+        return r.peak_host_rss_gib, "rss"
+
+    def _compact_rows(self) -> list[tuple[str, str, dict[str, str]]]:
+        """``(variant, status words, {compact column: display string})`` per row."""
+        eval_col = self._eval_column()
+        rows = []
+        for r in self.table.itertuples(index=False):
+            ran = r.variant in self.results
+            s = self.results[r.variant].summary if ran else {}
+
+            tps = _cell(r.tokens_per_s, lambda v: f"{v:,.0f}")
+            if tps != MISSING and r.variant == self.reference:
+                tps += " (ref)"
+            elif tps != MISSING and math.isfinite(r.speedup):
+                # With repeats, the ratio's spread goes with it: an ordering inside it is no ranking.
+                spread = f" ±{r.speedup_spread:.2f}" if math.isfinite(r.speedup_spread) else ""
+                tps += f" ({r.speedup:.2f}x{spread})"
+            mem, _ = self._memory(r)
+            diff = ("ref" if ran and r.variant == self.reference
+                    else _cell(r.max_abs_loss_diff, _fmt_diff) if ran else MISSING)
+            cells = {
+                "variant": r.variant,
+                "precision": str(r.precision_used),
+                "tokens_per_s": tps,
+                "memory": _cell(mem, _fmt_gib),
+                "final_loss": _loss_cell(s.get("final_loss")),
+                "eval": (_cell(getattr(r, eval_col), lambda v: f"{v:.1%}") if eval_col == "eval_accuracy"
+                         else _loss_cell(s.get("eval_loss"))),
+                "loss_diff": diff,
+                "skipped": f"{int(r.skipped_steps)} / {int(r.nonfinite_steps)}" if ran else MISSING,
+                "min_scale": _cell(r.min_scale, _fmt_scale),
+                "fair": MISSING if pd.isna(r.fair) else ("✓" if r.fair else "✗"),
+            }
+            rows.append((r.variant, self.ended(r.variant), cells))
+        return rows
+
+    def _compact_headers(self) -> dict[str, tuple[str, ...]]:
+        heads = dict(_COMPACT_HEADERS)
+        if self._eval_column() == "eval_accuracy":
+            heads["eval"] = ("Eval", "accuracy")
+        return heads
+
+    def compact_table(self) -> pd.DataFrame:
+        """The table a person reads at a glance: ten columns of display strings, human headers, "—" where
+        there is no value. The variant's cell says how a run that did not finish ended. Every column and
+        the raw numbers stay in ``table``; the notes are in ``notes``."""
+        heads = self._compact_headers()
+        data = []
+        for name, status, cells in self._compact_rows():
+            cells = {**cells, "variant": f"{name} ({status})" if status else name}
+            data.append({" ".join(heads[k]): v for k, v in cells.items()})
+        return pd.DataFrame(data, columns=[" ".join(h) for h in heads.values()])
+
+    def _compact_html(self) -> str:
+        # Inline styles: they hold in a widget, in JupyterLab's sanitised output and in a saved file alike.
+        # Cells never wrap, headers break only at their <br>: each column is as wide as its longest line.
+        def style(key: str, head: bool = False) -> str:
+            align = "left" if key == "variant" else "right"
+            rule = "vertical-align:bottom;border-bottom:1px solid #888;" if head else ""
+            return f"padding:2px 8px;white-space:nowrap;text-align:{align};{rule}"
+
+        heads = self._compact_headers()
+        head = "".join(f'<th style="{style(k, head=True)}">{"<br>".join(html.escape(x) for x in lines)}</th>'
+                       for k, lines in heads.items())
+        body = []
+        for _variant, status, cells in self._compact_rows():
+            tds = []
+            for k in heads:
+                text = html.escape(cells[k])
+                if k == "variant":
+                    text = f"<b>{text}</b>" + (f'<br><span style="color:#b45309;font-size:11px">'
+                                               f"{html.escape(status)}</span>" if status else "")
+                tds.append(f'<td style="{style(k)}">{text}</td>')
+            body.append('<tr style="border-bottom:1px solid #e4e4e4">' + "".join(tds) + "</tr>")
+        return ('<table class="nbt-compare-table" style="border-collapse:collapse;table-layout:auto;width:auto;'
+                'font-size:12px;margin:2px 0">'
+                f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+
+    def _general_notes(self) -> list[str]:
+        """What holds for the whole table: the reference, what the memory column measures, repeats."""
+        lines = []
+        if self.results:
+            if self.reference != self.requested_reference:
+                why = f"the first variant that ran ({self.requested_reference!r} did not)"
+            else:
+                why = "the first variant" if self.reference == self.variants[0] else "as reference= asked"
+            lines.append(f"speed-up and loss difference are relative to {self.reference!r}, {why}")
+            sources = {self._memory(r)[1] for r in self.table.itertuples(index=False) if r.variant in self.results}
+            lines += [f"peak memory: {_MEMORY_NOTES[src]}" for src in ("vram", "tensors", "rss") if src in sources]
+        if self.repeats > 1:
+            lines.append(f"tokens/s: median of {self.repeats} interleaved repeats, the order rotated each repeat "
+                         f"(the table's order column); speed-up: median of the per-repeat ratios to "
+                         f"{self.reference!r}, ± half their range (an order within it is no measurable difference)")
+        lines += self._floor_lines()
+        lines += self._seed_lines()
+        if self.stopped:
+            done = ", ".join(self.finished) or "none"
+            lines.append(f"the comparison was {self.stopped}; finished: {done}")
+        return lines
+
+    def _floor_lines(self) -> list[str]:
+        """Where the speed's noise floor comes from (repeats only), and what happened to the A/A copy."""
+        if self.repeats <= 1:
+            return []
+        ref = self.reference
+        if not math.isfinite(self.noise_floor):
+            line = ("noise floor unknown (fewer than 3 whole repeats of the reference): no speed difference is "
+                    "ranked")
+        elif self.aa_timings:
+            line = (f"noise floor ±{self.noise_floor:.1%}: the most an identical copy of {ref!r} (run unrecorded "
+                    f"in each of {len(self.aa_timings)} repeats) differed from it, and never below 3%; a speed "
+                    "difference inside it is no difference")
+        else:
+            line = (f"noise floor ±{self.noise_floor:.1%}: {ref!r}'s own range over its repeats, relative to its "
+                    "median, and never below 3%; a speed difference inside it is no difference")
+        return [line] + [f"A/A: {n}" for n in self.aa_notes]
+
+    def _seed_lines(self) -> list[str]:
+        """The extra seed runs and what they cost, for the notes under the table."""
+        if not self.seeds:
+            return []
+        if not self.seed_results and not self.seed_notes:
+            return [f"noise band: seeds {', '.join(map(str, self.seeds))} asked, but the reference's own seed "
+                    f"({self.reference_seed}) is the only one: no extra run"
+                    if self.reference_seed is not None else "noise band: no seed run (the reference did not run)"]
+        lines = []
+        if self.seed_results:
+            total = sum(self.seed_wall_s.values())
+            each = ", ".join(f"{s}: {t:.1f} s" for s, t in self.seed_wall_s.items())
+            plural = "s" if len(self.seed_results) > 1 else ""
+            lines.append(f"noise band: {self.reference!r} again under seed{plural} "
+                         f"{', '.join(map(str, self.seed_results))} (seed {self.reference_seed} is its own run); "
+                         f"seed runs {each}, {total:.1f} s in all")
+        return lines + [f"noise band: {n}" for n in self.seed_notes]
+
+    def _verdicts_html(self) -> str:
+        """One line per variant, above the table: its verdict, the variant's name in bold."""
+        items = []
+        for name, v in self.verdicts.items():
+            flagged = v.within_noise is False or v.nonfinite_steps or v.skipped_steps or not v.ran
+            color = "#b45309" if flagged else "#222"
+            rest = v.text[len(name) + 2:]
+            items.append(f'<li style="color:{color}"><b>{html.escape(name)}</b>: {html.escape(rest)}</li>')
+        return ('<ul class="nbt-verdicts" style="font-size:13px;margin:4px 0 6px 0;padding-left:18px">'
+                + "".join(items) + "</ul>")
+
+    def _notes_html(self) -> str:
+        per_variant = "".join(
+            f"<li><b>{html.escape(name)}</b><ul style='margin:0;padding-left:18px'>"
+            + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul></li>"
+            for name, notes in self.notes.items() if notes)
+        general = "".join(f"<li>{html.escape(n)}</li>" for n in self._general_notes())
+        verdict = html.escape(self._fairness_line())
+        color = "#2e7d32" if self.fair else "#c62828"
+        return ('<div class="nbt-compare-notes" style="font-size:12px;color:#444;max-width:100%">'
+                + (f"<ul style='margin:4px 0;padding-left:18px'>{per_variant}</ul>" if per_variant else "")
+                + (f"<ul style='margin:4px 0;padding-left:18px;color:#666'>{general}</ul>" if general else "")
+                + f'<p class="nbt-compare-verdict" style="margin:4px 0;color:{color}">{verdict}</p></div>')
+
+    def summary_html(self, details: bool = True) -> str:
+        """The verdict line of each variant, the compact table, the notes under it (a list per variant), the
+        fairness verdict and, with
+        ``details``, every column of ``table`` behind a "details" toggle: an HTML fragment for a notebook
+        output or a widget."""
+        parts = [self._verdicts_html(),
+                 f'<div class="nbt-compare" style="max-width:100%;overflow-x:auto">{self._compact_html()}</div>',
+                 self._notes_html()]
+        if details:
+            parts.append(f'<details class="nbt-compare-details"><summary style="cursor:pointer;font-size:12px">'
+                         f"details: all {len(self.table.columns)} columns</summary>"
+                         f'<div style="overflow-x:auto">{self._table_html()}</div></details>')
+        return "<div>" + "".join(parts) + "</div>"
+
+    # -- text and HTML ------------------------------------------------------------------------------------
+    def format_table(self) -> str:
+        """The table as plain text for a terminal: the verdict lines above it, the notes and the fairness
+        verdict below it."""
+        # Leave out what says nothing here: settings every variant shares, a status every run reached.
+        cols = [c for c in _TEXT_COLUMNS if c in self.table.columns
+                and not (c in ("micro_batch", "grad_accum", "method") and self.table[c].nunique() <= 1)
+                and not (c == "status" and all(v == "finished" for v in self.completion.values()))
+                and not (c == "order" and self.repeats <= 1)]
+        lines = [v.text for v in self.verdicts.values()]
+        lines += ["", self._formatted(cols).to_string(index=False), ""]
+        if self.repeats > 1:
+            lines.append(f"tokens_per_s and wall_s: medians of {self.repeats} interleaved repeats, the order "
+                         "rotated each repeat (order: the variant's position in each); speedup: median of the "
+                         "per-repeat ratios, ± half their range (spreads in .table)")
+        lines += self._floor_lines()
+        lines += self._seed_lines()
+        for r in self.table.itertuples():
+            if r.notes:
+                lines.append(f"{r.variant}: {r.notes}")
+        lines.append(self._fairness_line())
+        return "\n".join(lines)
+
+    def _formatted(self, cols: Sequence[str], missing: str = "-") -> pd.DataFrame:
+        """``cols`` of the table as display strings (``missing`` where there is no value); empty columns dropped."""
+        out = {}
+        for c in cols:
+            values = self.table[c]
+            if values.isna().all():
+                continue
+            f = _FORMATS.get(c, "{:.6g}" if values.dtype.kind == "f" else "{}")
+            out[c] = [missing if pd.isna(v) else f(v) if callable(f) else f.format(v) for v in values]
+        return pd.DataFrame(out)
+
+    def _fairness_line(self) -> str:
+        ran = self.table[self.table["init_hash"].notna()]
+        if ran.empty:
+            return "no variant ran"
+        if self.fair:
+            return (f"fair: every variant started from the same weights and saw the same batches as "
+                    f"{self.reference!r} (init {ran.init_hash.iloc[0]}, data {ran.data_hash.iloc[0]}), "
+                    "or differs only by design")
+        return "NOT FAIR: " + " | ".join(self.warnings)
+
+    def _table_html(self) -> str:
+        """Every column of ``table``, formatted, as an HTML table."""
+        return self._formatted(list(self.table.columns), missing=MISSING).to_html(
+            index=False, escape=True, classes=["nbtrain-compare", "nbt-compare-full"])
+
+    def _repr_html_(self) -> str:
+        return self.summary_html(details=True)
+
+    def __repr__(self) -> str:
+        stopped = f", stopped={self.stopped!r}" if self.stopped else ""
+        return (f"ComparisonResult(variants={self.variants}, reference={self.reference!r}, fair={self.fair}"
+                f"{stopped})")
+
+    def to_html(self, path, title: str = "nbtrain comparison") -> Path:
+        """Write one self-contained HTML report (plotly.js inlined, opens offline): the compact table and its
+        notes, figures, every column of the table, config and environment."""
+        path = Path(path)
+        fig = self.figure()
+        fig_html = fig.to_html(full_html=False, include_plotlyjs=True, include_mathjax=False,
+                               config={"displaylogo": False})
+        overrides = "\n".join(f"{name}: {ov}" for name, ov in self.overrides.items())
+        env_rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
+                           for k, v in environment().items())
+        errors = "".join(f"<h3>{html.escape(n)}</h3><pre>{html.escape(t)}</pre>"
+                         for n, t in self.errors.items())
+        doc = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }}
+table {{ border-collapse: collapse; font-size: 13px; }}
+.nbt-compare-full th, .nbt-compare-full td, .env th, .env td {{ border: 1px solid #ccc; padding: 3px 6px;
+  text-align: right; }}
+.nbt-compare-full td:last-child {{ text-align: left; min-width: 20em; }}
+pre {{ background: #f6f6f6; padding: .6em; overflow-x: auto; }}
+.verdict {{ font-weight: bold; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p class="verdict">{html.escape(self._fairness_line())}</p>
+<h2>Results</h2>
+{self.summary_html(details=False)}
+<h2>Figures</h2>
+{fig_html}
+<h2>All columns</h2>
+<div style="overflow-x:auto">{self._table_html()}</div>
+<h2>Configuration</h2>
+<p>Base config (every variant is this with its overrides; the first, {html.escape(repr(self.reference))},
+is the reference):</p>
+<pre>{html.escape(self.config.to_yaml())}</pre>
+<p>Variants:</p>
+<pre>{html.escape(overrides)}</pre>
+<h2>Environment</h2>
+<table class="env">{env_rows}</table>
+{"<h2>Errors</h2>" + errors if errors else ""}
+</body></html>
+"""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(doc, encoding="utf-8")
+        return path
+
+
+
+def environment() -> dict[str, str]:
+    """Library versions and the device, for a report that says where its numbers come from."""
+    from importlib import metadata
+
+    env = {"python": sys.version.split()[0], "platform": platform.platform(), "nbtrain": __version__}
+    for lib in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "numpy", "pandas", "plotly"):
+        try:
+            env[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            env[lib] = "not installed"
+    caps = capabilities()
+    env.update(device=caps.device, device_name=caps.name, device_memory_gib=f"{caps.total_memory_gib:.1f}",
+               torch_threads=str(torch.get_num_threads()))
+    if caps.device == "cuda":
+        env["cuda"] = str(torch.version.cuda)
+        env["compute_capability"] = ".".join(map(str, caps.compute_capability or ()))
+    return env
