@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 import nbtrain as nbt
+from nbtrain import verdicts
 from nbtrain.compare import compare
 from nbtrain.viz.figures import find_trace, find_traces
 
@@ -172,7 +173,8 @@ def test_worse_variants_leave_the_band_at_the_step_computed_here_and_identical_i
         assert step is not None, name                                     # the test's premise: it does leave
         v = cmp.verdicts[name]
         assert v.within_noise is False and v.leaves_band_at == step, (name, step, v.text)
-        assert f"loss leaves the noise band at step {step}" in v.text
+        direction = "higher" if cmp.differences[name].loc[step] > 0 else "lower"   # which way it left
+        assert f"loss {direction} than fp32 beyond seed noise from step {step}" in v.text
     same = cmp.verdicts["same"]
     assert same.within_noise is True and same.leaves_band_at is None and same.max_abs_diff == 0.0
     assert "loss within seed noise at every step" in same.text
@@ -227,21 +229,21 @@ def test_variants_that_did_not_run_get_a_verdict_too():
 
 # -- speed with its spread -------------------------------------------------------------------------------------
 def _timed(monkeypatch, factors):
-    """compare() of two identical fp32 variants over 3 repeats, b's tokens/s set to a's of the same repeat
-    times ``factors[r]`` (the machine's own timings are too noisy to test an ordering on)."""
+    """compare() of two identical fp32 variants over 3 repeats, a's tokens/s set to 1,000 and b's to 1,000 times
+    ``factors[r]`` in repeat r (the machine's own timings are too noisy to test an ordering on; the order of a
+    and b rotates from repeat to repeat, so b cannot read a's timing of its repeat)."""
     import nbtrain.engine.loop as loop
 
-    original, last = loop._run, {}
+    original, runs = loop._run, {"b": 0}
 
     def spy(cfg, callbacks=None, **kw):
         res = original(cfg, callbacks, **kw)
         v = kw.get("variant")
         if v == "a":
-            last["a"] = res.summary["tokens_per_s"]
+            res.summary["tokens_per_s"] = 1000.0
         elif v == "b":
-            r = last.setdefault("r", 0)
-            res.summary["tokens_per_s"] = last["a"] * factors[r]
-            last["r"] = r + 1
+            res.summary["tokens_per_s"] = 1000.0 * factors[runs["b"]]
+            runs["b"] += 1
         return res
 
     monkeypatch.setattr(loop, "_run", spy)
@@ -253,7 +255,8 @@ def _timed(monkeypatch, factors):
 def test_speed_is_a_paired_ratio_with_its_spread_and_a_flip_is_no_ranking(monkeypatch, factors):
     cmp = _timed(monkeypatch, factors)
     ratios = [b / a for (a, _), (b, _) in zip(cmp.timings["a"], cmp.timings["b"])]
-    assert len(ratios) == 3
+    assert ratios == pytest.approx(list(factors))
+    assert cmp.run_order == [["a", "b"], ["b", "a"], ["a", "b"]]
     v = cmp.verdicts["b"]
     assert v.speed.ratio == pytest.approx(statistics.median(ratios))
     spread = (max(ratios) - min(ratios)) / 2
@@ -266,7 +269,12 @@ def test_speed_is_a_paired_ratio_with_its_spread_and_a_flip_is_no_ranking(monkey
     if min(ratios) < 1 < max(ratios):
         assert "no measurable speed difference" in v.text and "faster" not in v.text and "slower" not in v.text
     else:
-        assert v.text.startswith(f"b: {statistics.median(ratios):.2f}x faster (±{spread:.2f})")
+        assert v.text.startswith(f"b: {statistics.median(ratios):.2f}x faster (±{spread:.2f}, "
+                                 f"noise ±{cmp.noise_floor:.2f})")
+    # a's range over its repeats is 0: the floor is the minimum effect, on every row and in the verdict
+    assert cmp.noise_floor == pytest.approx(verdicts.MIN_EFFECT) and v.speed.floor == pytest.approx(cmp.noise_floor)
+    assert t.loc["b", "noise_floor"] == pytest.approx(cmp.noise_floor)
+    assert bool(t.loc["b", "speed_measurable"]) is (not min(ratios) < 1 < max(ratios))
     # The figure's throughput bars carry the repeats' range.
     bars = find_traces(cmp.figure(), kind="tokens_per_s")[0]
     tps_b = [t for t, _ in cmp.timings["b"]]
