@@ -389,6 +389,93 @@ def test_train_stop_train():
     assert res2.summary["stopped_reason"] == "stopped"    # the earlier result is untouched
 
 
+@pytest.fixture
+def in_colab(monkeypatch):
+    """A kernel that looks like Colab's (it has loaded google.colab), where a FigureWidget must never be made:
+    Colab does not render one (googlecolab/colab-cdn-widget-manager#51, googlecolab/colabtools#5889)."""
+    import importlib.machinery
+    import types
+
+    import plotly.graph_objects as go
+
+    def no_figure_widget(*args, **kwargs):
+        raise AssertionError("a plotly FigureWidget was made in Colab, which does not render it")
+
+    colab = types.ModuleType("google.colab")
+    colab.__spec__ = importlib.machinery.ModuleSpec("google.colab", None)   # find_spec() reads it, as in Colab
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.delenv("NBTRAIN_DASHBOARD", raising=False)
+    monkeypatch.setattr(go, "FigureWidget", no_figure_widget)
+
+
+def _losses(output) -> list:
+    """The loss points of the figure an ipywidgets.Output holds, read from its plotly JSON (base64 'bdata')."""
+    import base64
+
+    import numpy as np
+
+    (out,) = output.outputs
+    assert "cdn.plot.ly" in out["data"]["text/html"]     # Colab draws the HTML: plotly.js comes from its CDN
+    (tr,) = [t for t in out["data"]["application/vnd.plotly.v1+json"]["data"]
+             if (t.get("meta") or {}).get("panel") == "loss" and t["meta"].get("kind") == "loss"]
+    y = tr.get("y", [])
+    if isinstance(y, dict):
+        y = np.frombuffer(base64.b64decode(y["bdata"]), dtype=np.dtype(y["dtype"]))
+    return [float(v) for v in y]
+
+
+def test_panel_in_colab_draws_its_live_figure_the_html_way(in_colab):
+    """issue 25: in Colab the Panel keeps its core ipywidgets and draws the live figure as plotly HTML in an
+    ipywidgets.Output, resent after each redraw, instead of a FigureWidget."""
+    panel = Panel(small(max_steps=400), debounce_s=0)
+    panel.train_button.click()
+    live, dash = panel.live_figure, panel.dashboard
+    assert dash.mode == "html" and live is not None and panel.dashboard_area.children == (live.widget,)
+    assert isinstance(live.output, ipywidgets.Output)
+    wait_for(lambda: live.output.outputs and len(_losses(live.output)) >= 2, what="two steps in the live figure")
+    assert "step" in live.status.value
+    panel.stop_button.click()
+    res = panel.run.wait(TIMEOUT)
+    assert res.summary["stopped_reason"] == "stopped" and "stopped" in panel.status.value
+    assert panel.wait(TIMEOUT) is res and not panel.train_button.disabled
+    assert live.shown >= 2 and live.shown <= dash.redraws
+    # the live output holds the last redraw: every step; then the finished figure takes the area, drawn alike
+    assert _losses(live.output) == list(res.history.loss)
+    (final,) = panel.dashboard_area.children
+    assert _losses(final) == list(res.history.loss)
+
+    # a second Train gets a new live figure, and works the same
+    panel.controls["max_steps"].value = "2"
+    panel.train_button.click()
+    assert panel.live_figure is not live
+    res2 = panel.run.wait(TIMEOUT)
+    panel.wait(TIMEOUT)
+    assert _losses(panel.dashboard_area.children[0]) == list(res2.history.loss) and len(res2.history) == 2
+
+
+def test_panel_outside_colab_keeps_the_figure_widget():
+    import plotly.graph_objects as go
+
+    panel = Panel(small(max_steps=1), debounce_s=0)
+    panel.train_button.click()
+    assert panel.dashboard.mode == "widget" and isinstance(panel.dashboard.figure, go.FigureWidget)
+    assert panel.live_figure is None and panel.dashboard_area.children == (panel.dashboard.widget,)
+    assert panel.run.wait(TIMEOUT) is not None
+    panel.wait(TIMEOUT)
+
+
+def test_compare_in_colab(in_colab):
+    pytest.importorskip("nbtrain.compare")
+    panel = Panel(small(max_steps=2), debounce_s=0)
+    for p, box in panel.compare_choices.items():
+        box.value = p == "fp32"
+    panel.compare_button.click()
+    cmp = panel.wait(TIMEOUT)
+    assert cmp is not None and set(cmp.results) == {"fp32"} and panel.dashboard.mode == "html"
+    assert panel.comparison_table in panel.dashboard_area.children
+    assert isinstance(panel.dashboard_area.children[0], ipywidgets.Output)   # the finished figure
+
+
 def test_a_run_that_fails_shows_its_error_and_frees_the_buttons(tmp_path):
     data = tmp_path / "rows.csv"
     data.write_text("foo\nhello world\nanother line\n")

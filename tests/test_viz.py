@@ -430,6 +430,41 @@ def test_mode_detection_rules(monkeypatch):
         LiveDashboard(mode="nope")
 
 
+def test_colab_gets_the_display_handle_mode(monkeypatch):
+    """issue 25: Colab renders ipywidgets but not plotly's FigureWidget (googlecolab/colab-cdn-widget-manager#51,
+    googlecolab/colabtools#5889): a dashboard made there draws through a display handle (html)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    class Shell:
+        kernel = object()
+        user_ns = {}
+
+    monkeypatch.delenv(D.ENV_VAR, raising=False)
+    monkeypatch.setattr(D, "_kernel_shell", lambda: Shell)
+    monkeypatch.setattr(D, "_widgets_importable", lambda: True)
+    monkeypatch.setenv("JPY_SESSION_NAME", "/content/x.ipynb")   # even with a Jupyter-server hint
+    assert D.detect_mode() == "widget" and D.panel_mode() == "widget"    # JupyterLab: the FigureWidget
+    colab = types.ModuleType("google.colab")
+    colab.__spec__ = importlib.machinery.ModuleSpec("google.colab", None)   # find_spec() reads it, as in Colab
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    assert D.in_colab()
+    assert D.detect_mode() == "html" and D.panel_mode() == "html"
+    dash = LiveDashboard(display=False)
+    assert dash.mode == "html" and not isinstance(dash.figure, go.FigureWidget) and dash.widget is None
+    assert LiveDashboard(display=False, mode="widget").mode == "widget"   # an explicit mode still wins
+    assert isinstance(LiveDashboard(display=False, mode="widget").figure, go.FigureWidget)
+    assert LiveDashboard(display=False, mode="text").mode == "text"
+    monkeypatch.setenv(D.ENV_VAR, "widget")                               # and so does the environment
+    assert D.detect_mode() == "widget" and D.panel_mode() == "widget"
+    monkeypatch.setenv(D.ENV_VAR, "text")
+    assert D.detect_mode() == "text" and D.panel_mode() == "html"         # the Panel has no text view
+    monkeypatch.delenv(D.ENV_VAR)
+    monkeypatch.delitem(sys.modules, "google.colab")
+    assert D.detect_mode() == "widget"
+
+
 # ------------------------------------------------------------------------------------------------
 # With the engine
 # ------------------------------------------------------------------------------------------------

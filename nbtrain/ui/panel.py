@@ -1,7 +1,9 @@
 """``nbt.Panel()``: every TrainConfig knob as a widget, a live memory estimate, and Train / Stop / Compare.
 
 Plain ipywidgets plus the dashboard's plotly ``FigureWidget``, so it renders wherever widgets do
-(JupyterLab, Notebook 7, VS Code, Colab) with no frontend extension of its own. The panel puts together
+(JupyterLab, Notebook 7, VS Code) with no frontend extension of its own. Colab renders the core widgets but
+not ``FigureWidget``: there the live figure is plotly's HTML in an ``ipywidgets.Output``, resent at most once a
+second (``nbtrain.viz.dashboard.panel_mode``). The panel puts together
 the form (:mod:`.form`: controls, validation, errors), the runner (:mod:`.runner`: Train / Stop / Compare
 in background threads, status) and the memory readout kept here, which follows the form's values.
 Nothing here raises at the user on a bad value: errors become an inline message naming the field.
@@ -106,6 +108,8 @@ class Panel:
     notes = property(lambda self: self.runner.notes, doc="the last run's notes and out-of-memory advice")
     dashboard_area = property(lambda self: self.runner.dashboard_area)
     dashboard = property(lambda self: self.runner.dashboard, doc="the LiveDashboard of the last press")
+    live_figure = property(lambda self: self.runner.live_figure,
+                           doc="where no FigureWidget renders (Colab): the live figure's output area, else None")
     run = property(lambda self: self.runner.run, doc="the last Run started by Train")
     result = property(lambda self: self.runner.result, doc="the TrainResult of the last Train")
     comparison = property(lambda self: self.runner.comparison, doc="the ComparisonResult of the last Compare")

@@ -23,6 +23,43 @@ from . import render
 MAX_EXTRA_SEEDS = 4   # each is one more run of the reference: the noise band's cost grows with it
 
 
+class LiveFigureOutput:
+    """The Panel's live figure where plotly's ``FigureWidget`` does not render (Colab; or without anywidget): an
+    ``html``-mode dashboard's figure (plotly JSON plus HTML that loads plotly.js from its CDN), with its status
+    line, in a core ``ipywidgets.Output``, resent whole after each of the dashboard's redraws (html mode redraws at
+    most once a second). A callback placed right after the dashboard: it draws what the dashboard just drew."""
+
+    def __init__(self, dashboard):
+        self.dashboard = dashboard
+        self.status = widgets.HTML(value="<i>waiting for the first step…</i>")
+        self.output = widgets.Output(layout=widgets.Layout(max_width="100%"))
+        self.widget = widgets.VBox([self.status, self.output])
+        self.shown = 0   # the dashboard's redraws drawn here
+        self._drawn = None
+
+    def _draw(self) -> None:
+        dash = self.dashboard
+        if dash.redraws == self._drawn:
+            return
+        from ..viz.views import static_bundle
+
+        self._drawn = dash.redraws
+        text = dash.tracker.status()
+        self.status.value = f"<code>{render.esc(text)}</code>"
+        self.output.outputs = ({"output_type": "display_data", "metadata": {},
+                                "data": static_bundle(dash.figure, "cdn", text=text)},)
+        self.shown += 1
+
+    def on_run_start(self, info) -> None:
+        self._draw()
+
+    def on_step_end(self, record) -> None:
+        self._draw()
+
+    def on_run_end(self, result) -> None:
+        self._draw()
+
+
 class Job:
     """One Train or Compare press: its kind, stop request, run (Train) and completion; for a Compare, its
     variants and the extra seeds of the reference run after them."""
@@ -103,6 +140,7 @@ class Runner:
         self.comparison = None
         self.comparison_table = None
         self.dashboard = None
+        self.live_figure: Optional[LiveFigureOutput] = None   # the live figure where no FigureWidget renders
         self.job: Optional[Job] = None
         self.compare_thread: Optional[threading.Thread] = None
         self._lock = threading.RLock()
@@ -164,26 +202,34 @@ class Runner:
         self.stop_button.disabled = False
         return job
 
-    def _new_dashboard(self):
-        from ..viz.dashboard import LiveDashboard
+    def _new_dashboard(self) -> list:
+        """A new dashboard in the dashboard area; returns the callbacks that draw it (the dashboard first)."""
+        from ..viz.dashboard import LiveDashboard, panel_mode
 
         # display=False: the runner shows the dashboard's widget in its own area, never in whatever cell
         # the training thread happens to write to.
-        try:
-            dash = LiveDashboard(display=False, mode="widget")
-        except ImportError:   # no anywidget: no FigureWidget; the static figure is shown at the end
+        dash = None
+        if panel_mode() == "widget":
+            try:
+                dash = LiveDashboard(display=False, mode="widget")
+            except ImportError:   # no anywidget: no FigureWidget; the html figure below instead
+                dash = None
+        self.live_figure = None
+        if dash is None:   # Colab (no FigureWidget there) or no anywidget
             dash = LiveDashboard(display=False, mode="html")
+            self.live_figure = LiveFigureOutput(dash)
         self.dashboard = dash
-        self.dashboard_area.children = (dash.widget,) if dash.widget is not None else ()
-        return dash
+        shown = dash.widget if dash.widget is not None else self.live_figure.widget
+        self.dashboard_area.children = (shown,)
+        return [dash] + ([self.live_figure] if self.live_figure is not None else [])
 
     def train(self, cfg) -> None:
         """Start a Train of ``cfg`` in the background."""
         job = self.begin("train")
-        dash = self._new_dashboard()
+        drawing = self._new_dashboard()
         self.set_status("starting… (loading data and model)", render.GREY)
         try:
-            run = start(cfg, callbacks=[dash, StatusCallback(self, job), *self.callbacks])
+            run = start(cfg, callbacks=[*drawing, StatusCallback(self, job), *self.callbacks])
         except Exception as e:
             self.finish(job, error=e)
             return
@@ -209,11 +255,11 @@ class Runner:
         seeds = self.compare_seeds(cfg) if seeds is None else tuple(seeds)
         job = self.begin("compare")
         job.variants, job.extra_seeds = tuple(precisions), tuple(s for s in seeds if s != cfg.seed)
-        dash = self._new_dashboard()
+        drawing = self._new_dashboard()
         n = len(job.extra_seeds)
         extra = f" + {n} seed run{'s' if n > 1 else ''}" if n else ""
         self.set_status(f"comparing {', '.join(precisions)}{extra}…", render.GREY)
-        callbacks = [dash, StatusCallback(self, job), *self.callbacks]
+        callbacks = [*drawing, StatusCallback(self, job), *self.callbacks]
 
         def work():
             try:
@@ -285,7 +331,7 @@ class Runner:
             self.dashboard_area.children = (widgets.HTML(render.small("no steps ran: nothing to plot")),)
         elif dash.widget is not None:
             self.dashboard_area.children = (dash.figure,)
-        else:   # no FigureWidget: the live view was empty; show the finished figure instead
+        else:   # no FigureWidget (Colab, no anywidget): the finished figure, drawn the html way
             from ..viz.views import static_bundle
 
             out = widgets.Output()

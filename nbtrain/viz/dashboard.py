@@ -9,12 +9,17 @@ Where it draws (``mode``), decided once when the dashboard is made:
 
 1. ``mode=`` or the ``NBTRAIN_DASHBOARD`` environment variable: ``widget`` | ``html`` | ``text``.
 2. Outside an IPython kernel (a script, a terminal, terminal IPython): ``text``, the command line's tqdm bar.
-3. In a kernel without ipywidgets/anywidget: ``html``.
-4. In a kernel whose frontend renders widgets: ``widget``, a live plotly ``FigureWidget``. A frontend
+3. In Colab (``google.colab`` is loaded): ``html``. Colab renders ipywidgets' own widgets but not plotly's
+   ``FigureWidget`` (googlecolab/colab-cdn-widget-manager#51, googlecolab/colabtools#5889, both open).
+4. In a kernel without ipywidgets/anywidget: ``html``.
+5. In a kernel whose frontend renders widgets: ``widget``, a live plotly ``FigureWidget``. A frontend
    is recognised by what starts its kernels: a Jupyter server (JupyterLab, Notebook 7, Voila, Hub)
-   sets ``JPY_SESSION_NAME``; VS Code defines ``__vsc_ipynb_file__``; Colab loads ``google.colab``.
-5. Any other kernel (nbclient/papermill executing headless, jupyter console, qtconsole): ``html``,
+   sets ``JPY_SESSION_NAME``; VS Code defines ``__vsc_ipynb_file__``.
+6. Any other kernel (nbclient/papermill executing headless, jupyter console, qtconsole): ``html``,
    the figure shown through a display handle updated in place (at most once a second).
+
+``nbt.Panel()`` lives in widgets, so its live figure is a ``FigureWidget`` wherever one renders; in Colab (or
+with ``NBTRAIN_DASHBOARD=html``) it is the ``html`` figure in a widget output area instead (:func:`panel_mode`).
 
 In ``widget`` and ``html`` mode the end of each run replaces the live view, through the same display
 handle, by a static copy, titled in one line with the runs' names and precisions (the summary is the
@@ -75,24 +80,42 @@ def _frontend_renders_widgets(shell) -> bool:
     if os.environ.get("JPY_SESSION_NAME"):
         return True
     ns = getattr(shell, "user_ns", None) or {}
-    if "__vsc_ipynb_file__" in ns:
-        return True
+    return "__vsc_ipynb_file__" in ns
+
+
+def in_colab() -> bool:
+    """Whether this is a Colab kernel (it loads ``google.colab``): widgets render there, ``FigureWidget`` does not."""
     return "google.colab" in sys.modules
+
+
+def _forced_mode() -> str:
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced and forced not in MODES:
+        raise ValueError(f"{ENV_VAR}={forced!r}: expected one of {', '.join(MODES)}")
+    return forced
 
 
 def detect_mode() -> str:
     """``widget``, ``html`` or ``text``: where a dashboard made now would draw (see module doc)."""
-    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    forced = _forced_mode()
     if forced:
-        if forced not in MODES:
-            raise ValueError(f"{ENV_VAR}={forced!r}: expected one of {', '.join(MODES)}")
         return forced
     shell = _kernel_shell()
     if shell is None:
         return "text"
-    if not _widgets_importable():
+    if in_colab() or not _widgets_importable():
         return "html"
     return "widget" if _frontend_renders_widgets(shell) else "html"
+
+
+def panel_mode() -> str:
+    """``widget`` or ``html``: how ``nbt.Panel()`` draws its live figure. A ``FigureWidget`` (``widget``), except
+    in Colab, which does not render one, and where ``NBTRAIN_DASHBOARD`` says ``html`` (or ``text``: the Panel has
+    no text view); ``NBTRAIN_DASHBOARD=widget`` keeps the ``FigureWidget`` even in Colab."""
+    forced = _forced_mode()
+    if forced:
+        return "widget" if forced == "widget" else "html"
+    return "html" if in_colab() else "widget"
 
 
 # ------------------------------------------------------------------------------------------------
