@@ -5,7 +5,9 @@ workspace directory and a copy of the notebook (the browser saves what it runs; 
 stay stripped). It runs all cells, clicks Train in the panel, waits until the four live plots (loss, grad
 norm, loss scale, memory) have points in the rendered plotly DOM, clicks Stop, waits for the status to say
 stopped, checks the browser console for errors, and saves a screenshot to test-artifacts/. The server is
-stopped by its PID (after its kernels are shut down through the REST API).
+stopped by its PID (after its kernels are shut down through the REST API). The REST polling retries what a
+starting server answers now and then (a 5xx, a connection refused or reset) until its deadline, and fails at
+once on anything else (``_transient``; tested without a browser in test_browser_polling.py).
 
 Needs Debian's chromium at /usr/bin/chromium and the playwright Python package (``make setup`` installs
 both; ``playwright install`` is never used). Without them the tests skip and say which one is missing.
@@ -64,6 +66,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
 
 
+# What a Jupyter server answers now and then while it starts a kernel or itself: a 5xx (GET /api/kernels has
+# answered 500 about one fresh run in seven while the kernel started), or a connection refused (not listening
+# yet) or reset (http.client's RemoteDisconnected is a ConnectionResetError). The polling helpers retry these
+# until their deadline; any other error (a 4xx such as a wrong token, a timeout, bad JSON) fails at once.
+TRANSIENT_CONNECTION_ERRORS = (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError)
+RETRY_PAUSE_S = 0.5
+
+
+def _transient(e: BaseException) -> bool:
+    """Whether a REST call's error is the server still starting (retry it) rather than a real failure."""
+    if isinstance(e, urllib.error.HTTPError):
+        return 500 <= e.code < 600
+    if isinstance(e, urllib.error.URLError):
+        return isinstance(e.reason, TRANSIENT_CONNECTION_ERRORS)
+    return isinstance(e, TRANSIENT_CONNECTION_ERRORS)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,8 +135,11 @@ class JupyterServer:
             try:
                 self.api("GET", "/api/status")
                 return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.5)
+            except Exception as e:
+                if not _transient(e):
+                    raise RuntimeError(f"jupyter {self.app}: GET /api/status failed ({e!r}):\n"
+                                       f"{self.log.read_text()}") from e
+                time.sleep(RETRY_PAUSE_S)
         raise RuntimeError(f"jupyter {self.app} did not answer in {timeout} s:\n{self.log.read_text()}")
 
     def api(self, method: str, path: str):
@@ -127,12 +149,27 @@ class JupyterServer:
             body = r.read()
         return json.loads(body) if body else None
 
+    def poll_api(self, method: str, path: str, deadline: float):
+        """``api()``, retrying transient errors (:func:`_transient`) until ``deadline`` (``time.monotonic()``);
+        the last one is raised once it has passed. Any other error is raised at once."""
+        while True:
+            try:
+                return self.api(method, path)
+            except Exception as e:
+                if not _transient(e):
+                    raise
+                if time.monotonic() >= deadline:
+                    e.add_note(f"{method} {path}: still failing at the deadline, after retries of transient errors")
+                    raise
+                time.sleep(RETRY_PAUSE_S)
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         try:   # kernels first, so that none outlives the server
-            for k in self.api("GET", "/api/kernels") or []:
-                self.api("DELETE", f"/api/kernels/{k['id']}")
+            deadline = time.monotonic() + 10
+            for k in self.poll_api("GET", "/api/kernels", deadline) or []:
+                self.poll_api("DELETE", f"/api/kernels/{k['id']}", deadline)
         except Exception:
             pass
         self.proc.terminate()          # SIGTERM to the server's own PID
@@ -180,7 +217,7 @@ def _wait_for_kernel(server: JupyterServer, timeout: float = 120) -> None:
     """Until the page's kernel is started, idle, and connected to the browser by its websocket."""
     deadline = time.monotonic() + timeout
     while True:
-        kernels = server.api("GET", "/api/kernels") or []
+        kernels = server.poll_api("GET", "/api/kernels", deadline) or []
         if any(k["execution_state"] == "idle" and k.get("connections", 0) > 0 for k in kernels):
             return
         assert time.monotonic() < deadline, f"no connected idle kernel after {timeout} s: {kernels}"

@@ -1,0 +1,102 @@
+"""The browser tests' REST polling (issue 25: GET /api/kernels answered HTTP 500 about one fresh run in seven while
+the kernel started): transient server errors are retried until the helper's deadline, anything else fails at once.
+Against a tiny http.server on 127.0.0.1; no Jupyter, no browser."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+import urllib.error
+
+import pytest
+
+from .test_browser import JupyterServer, _free_port, _transient, _wait_for_kernel
+
+IDLE = [{"id": "k1", "execution_state": "idle", "connections": 1}]
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers each request with the next step of the server's script: an HTTP status (with IDLE as the body
+    for 200), or "reset" (the connection closed with no answer)."""
+
+    def do_GET(self):
+        srv = self.server
+        srv.seen.append((self.path, self.headers.get("Authorization")))
+        step = srv.script.pop(0) if srv.script else 200
+        if step == "reset":
+            self.close_connection = True
+            return
+        body = json.dumps(IDLE if step == 200 else {"message": "boom"}).encode()
+        self.send_response(step)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """``(JupyterServer pointed at a scripted HTTP server, that server)``."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    httpd.script, httpd.seen = [], []
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    srv = JupyterServer("lab", tmp_path)
+    srv.base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield srv, httpd
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(5)
+
+
+def test_transient_errors_are_retried_until_the_kernel_is_idle(fake):
+    srv, httpd = fake
+    httpd.script = [500, "reset", 503, 200]
+    _wait_for_kernel(srv, timeout=30)
+    assert [p for p, _ in httpd.seen] == ["/api/kernels"] * 4
+    assert all(auth == f"token {srv.token}" for _, auth in httpd.seen)
+
+
+@pytest.mark.parametrize("status", [403, 404])
+def test_other_http_errors_fail_at_once(fake, status):
+    srv, httpd = fake
+    httpd.script = [status, 200]
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _wait_for_kernel(srv, timeout=30)
+    assert e.value.code == status and len(httpd.seen) == 1 and time.monotonic() - t0 < 5
+
+
+def test_retries_end_at_the_deadline_with_the_last_error(fake):
+    srv, httpd = fake
+    httpd.script = [500] * 1000
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _wait_for_kernel(srv, timeout=1.5)
+    assert e.value.code == 500 and 1.5 <= time.monotonic() - t0 < 10
+    assert any("still failing at the deadline" in n for n in e.value.__notes__)
+    srv.base = f"http://127.0.0.1:{_free_port()}"            # nobody listening: refused, retried, then raised
+    with pytest.raises(urllib.error.URLError) as e:
+        srv.poll_api("GET", "/api/kernels", time.monotonic() + 1)
+    assert isinstance(e.value.reason, ConnectionRefusedError)
+
+
+def test_what_counts_as_transient():
+    def http_error(code):
+        return urllib.error.HTTPError("http://127.0.0.1/api/kernels", code, "x", None, None)
+
+    assert all(_transient(http_error(c)) for c in (500, 502, 503, 504))
+    assert not any(_transient(http_error(c)) for c in (400, 401, 403, 404, 409))
+    assert _transient(urllib.error.URLError(ConnectionRefusedError(111, "refused")))
+    assert _transient(ConnectionResetError()) and _transient(ConnectionAbortedError())
+    import http.client
+
+    assert _transient(http.client.RemoteDisconnected("closed"))
+    assert not _transient(urllib.error.URLError(TimeoutError("timed out")))
+    assert not _transient(TimeoutError()) and not _transient(json.JSONDecodeError("x", "", 0))
+    assert not _transient(urllib.error.URLError(OSError(-2, "Name or service not known")))
