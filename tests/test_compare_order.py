@@ -110,7 +110,7 @@ def test_aa_copy_runs_in_the_rotation_unrecorded(spy, tmp_path):
 def test_aa_needs_repeats(spy):
     cmp = compare(small_cfg(), variants={"A": {}, "B": {}}, aa=True, warmup=False)
     assert [c["variant"] for c in spy] == ["A", "B"] and cmp.aa_timings == []
-    assert cmp.aa_notes == ["not run: it needs repeats >= 2"]
+    assert cmp.aa_notes == ["not run: it needs repeats >= 2"] and cmp.aa_name is None
 
 
 @pytest.mark.parametrize("warmup", [True, False])

@@ -18,6 +18,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from .. import verdicts as _verdicts
 from .._version import __version__
 from ..hardware import capabilities
 
@@ -223,17 +224,17 @@ class ComparisonViews:
         """Where the speed's noise floor comes from (repeats only), and what happened to the A/A copy."""
         if self.repeats <= 1:
             return []
-        ref = self.reference
+        ref, least = self.reference, f"{_verdicts.MIN_EFFECT:.0%}"
         if not math.isfinite(self.noise_floor):
-            line = ("noise floor unknown (fewer than 3 whole repeats of the reference): no speed difference is "
-                    "ranked")
+            line = (f"noise floor unknown (fewer than {_verdicts.MIN_RANKED_REPEATS} whole repeats of the "
+                    "reference): no speed difference is ranked")
         elif self.aa_timings:
             line = (f"noise floor ±{self.noise_floor:.1%}: the most an identical copy of {ref!r} (run unrecorded "
-                    f"in each of {len(self.aa_timings)} repeats) differed from it, and never below 3%; a speed "
-                    "difference inside it is no difference")
+                    f"in each of {len(self.aa_timings)} repeats) differed from it, and never below {least}; a "
+                    "speed difference inside it is no difference")
         else:
             line = (f"noise floor ±{self.noise_floor:.1%}: {ref!r}'s own range over its repeats, relative to its "
-                    "median, and never below 3%; a speed difference inside it is no difference")
+                    f"median, and never below {least}; a speed difference inside it is no difference")
         return [line] + [f"A/A: {n}" for n in self.aa_notes]
 
     def _seed_lines(self) -> list[str]:

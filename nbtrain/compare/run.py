@@ -132,7 +132,7 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     copy = _aa_copy(next(o for o in outcomes if o.name == wanted), names, schedule) if aa else None
     if copy is not None and repeats < 2:
         schedule.aa_notes.append("not run: it needs repeats >= 2")
-        copy = None
+        copy, schedule.aa_name = None, None
 
     with _load_reports_once():
         # "stopped" or "interrupted" once the user ends the whole comparison; later variants then never start.
