@@ -84,7 +84,7 @@ def cmd_compare(args) -> int:
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     cmp = compare(cfg, precisions=precisions, subset=args.subset, max_steps=args.max_steps,
                   repeats=args.repeats, callbacks=[ProgressBar(cfg.log_every, desc="compare")],
-                  seeds=args.seeds)
+                  seeds=args.seeds, aa=args.aa)
     print(cmp.format_table())
     if args.html:
         cmp.to_html(args.html)
@@ -162,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--subset", type=int, default=None)
     c.add_argument("--max-steps", type=int, default=None)
     c.add_argument("--repeats", type=int, default=1,
-                   help="time every precision this many times, interleaved: speed-ups get their spread")
+                   help="time every precision this many times, each repeat in a rotated order: speed-ups get "
+                        "their spread, and with 3 or more the reference's own spread is the noise floor")
+    c.add_argument("--aa", action="store_true",
+                   help="also time an identical copy of the first precision in every repeat: the noise floor "
+                        "is how far it strays from the original")
     c.add_argument("--seeds", type=_seeds, default=(),
                    help="e.g. 0,1,2: run the first precision again under the other seeds; their spread is the "
                         "noise band each precision's loss difference is judged against")

@@ -169,3 +169,14 @@ def test_transformers_load_report_shows_once_per_comparison(capfd):
         log.removeHandler(handler)
     assert len(reports) == 2
 
+
+
+def test_cli_aa_times_the_copy(spy, tmp_path, capsys):
+    from nbtrain.cli import main
+
+    cfg_path = tmp_path / "cfg.yaml"
+    small_cfg().to_yaml(cfg_path)
+    assert main(["compare", str(cfg_path), "--precisions", "fp32,bf16", "--repeats", "2", "--aa"]) == 0
+    copies = [c for c in spy if c["variant"] and "(A/A)" in c["variant"]]
+    assert len(copies) == 2 and all(c["callbacks"] is None for c in copies)
+    assert "fp32: the reference" in capsys.readouterr().out
