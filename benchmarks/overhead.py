@@ -75,8 +75,22 @@ def nbtrain_loop(cfg: nbt.TrainConfig, callbacks=None) -> list[float]:
     return list(r.history["tokens_per_s"])
 
 
-def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=None) -> dict:
-    """Measure every precision, interleaved; ``extra`` maps a name to callbacks for more nbtrain rows."""
+def traced_every_step(cfg: nbt.TrainConfig) -> list[float]:
+    """nbtrain with the CPU run-tensor tracer on every step (as before issue 25 sampled it)."""
+    from nbtrain.engine.telemetry import RunTensorBytes
+
+    saved = RunTensorBytes.MEASURE_EVERY
+    RunTensorBytes.MEASURE_EVERY = 1
+    try:
+        return nbtrain_loop(cfg)
+    finally:
+        RunTensorBytes.MEASURE_EVERY = saved
+
+
+def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=None,
+        every_step: bool = False) -> dict:
+    """Measure every precision, interleaved; ``extra`` maps a name to callbacks for more nbtrain rows;
+    ``every_step`` adds a row with the run-tensor tracer on every step."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     # Untimed first runs of both loops: the process's one-time costs (lazy imports, kernels, allocator pools)
     # would otherwise land on whichever loop runs first (a first pair measured 18x on 2 cores).
@@ -90,6 +104,8 @@ def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=No
         samples: dict[str, list[float]] = {"bare": [], "nbtrain": []}
         for name in (extra or {}):
             samples[name] = []
+        if every_step:
+            samples["traced_every_step"] = []
         for r in range(repeats):
             # Alternate the order (ABBA...) so whatever favours the first or second run cancels out.
             pair = [("bare", lambda c=cfg: bare_loop(c, steps)), ("nbtrain", lambda c=cfg: nbtrain_loop(c))]
@@ -97,6 +113,8 @@ def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=No
                 samples[name].append(statistics.median(fn()[WARMUP:]))
             for name, make_cbs in (extra or {}).items():
                 samples[name].append(statistics.median(nbtrain_loop(cfg, make_cbs())[WARMUP:]))
+            if every_step:
+                samples["traced_every_step"].append(statistics.median(traced_every_step(cfg)[WARMUP:]))
         med = {k: statistics.median(v) for k, v in samples.items()}
         # Each repeat is one interleaved pair: its ratio is free of the drift between repeats; the median of the
         # pairs is the figure, their range its noise.
@@ -108,6 +126,10 @@ def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=No
                "ratio_of_medians": round(med["nbtrain"] / med["bare"], 4)}
         for name in (extra or {}):
             row[f"ratio_{name}_vs_nbtrain"] = round(med[name] / med["nbtrain"], 4)
+        if every_step:
+            traced = [t / b for t, b in zip(samples["traced_every_step"], samples["bare"])]
+            row["ratio_traced_every_step_vs_bare"] = round(statistics.median(traced), 4)
+            row["traced_every_step_pair_ratio_range"] = [round(min(traced), 4), round(max(traced), 4)]
         rows.append(row)
     return {
         "date": dt.date.today().isoformat(), "device": "cpu", "cpu": nbt.capabilities("cpu").name,
@@ -122,13 +144,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--every-step-tracer", action="store_true",
+                    help="add a row with the CPU run-tensor tracer on every step, for what sampling it saves")
     args = ap.parse_args(argv)
-    res = run(args.steps, args.repeats, tuple(args.precisions.split(",")))
+    res = run(args.steps, args.repeats, tuple(args.precisions.split(",")), every_step=args.every_step_tracer)
     for r in res["rows"]:
         print(f"{r['precision']}: bare {r['bare_tokens_per_s']:,.0f} tok/s, nbtrain "
               f"{r['nbtrain_tokens_per_s']:,.0f} tok/s, ratio {r['ratio_nbtrain_vs_bare']:.3f} (median of "
               f"{len(r['pair_ratios'])} pairs, range {r['pair_ratio_range'][0]:.3f}-{r['pair_ratio_range'][1]:.3f}; "
-              "target >= 0.97)")
+              "target >= 0.97)" + (f"; tracer on every step {r['ratio_traced_every_step_vs_bare']:.3f}"
+                                   if "ratio_traced_every_step_vs_bare" in r else ""))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,9 @@ def test_aa_copy_runs_in_the_rotation_unrecorded(spy, tmp_path):
     # The floor comes from the copy, and the verdicts judge against the same one.
     ref_tps = [t for t, _ in cmp.timings["A"]]
     assert cmp.noise_floor == pytest.approx(verdicts.noise_floor(ref_tps, cmp.aa_timings))
-    assert cmp.verdicts["B"].speed.floor == pytest.approx(cmp.noise_floor)
+    b = [t for t, _ in cmp.timings["B"]]   # B's own spread counts where it is wider (it has only 2 repeats here)
+    assert cmp.verdicts["B"].speed.floor == pytest.approx(cmp.noise_floor if len(b) < 3 else
+                                                          max(cmp.noise_floor, (max(b) - min(b)) / sorted(b)[1]))
     assert "identical copy of 'A'" in cmp.format_table()
 
 

@@ -231,10 +231,12 @@ class ComparisonViews:
         elif self.aa_timings:
             line = (f"noise floor ±{self.noise_floor:.1%}: the most an identical copy of {ref!r} (run unrecorded "
                     f"in each of {len(self.aa_timings)} repeats) differed from it, and never below {least}; a "
-                    "speed difference inside it is no difference")
+                    "variant whose own repeats spread wider is judged against its own spread; a speed difference "
+                    "inside it is no difference")
         else:
             line = (f"noise floor ±{self.noise_floor:.1%}: {ref!r}'s own range over its repeats, relative to its "
-                    f"median, and never below {least}; a speed difference inside it is no difference")
+                    f"median (a variant's own, where wider), and never below {least}; a speed difference inside "
+                    "it is no difference")
         return [line] + [f"A/A: {n}" for n in self.aa_notes]
 
     def _seed_lines(self) -> list[str]:

@@ -120,8 +120,9 @@ def _not_run_why(o: _Outcome) -> str:
 def _speed_columns(sp: Optional[_verdicts.Speed], floor: float) -> dict[str, Any]:
     if sp is None:
         return {"speedup": math.nan, "speedup_spread": math.nan, "noise_floor": floor, "speed_measurable": None}
-    return {"speedup": sp.ratio, "speedup_spread": sp.spread, "noise_floor": floor,
-            "speed_measurable": bool(sp.measurable)}
+    # the floor this variant was judged against: the comparison's, or its own spread where that is wider
+    return {"speedup": sp.ratio, "speedup_spread": sp.spread,
+            "noise_floor": sp.floor if math.isfinite(sp.floor) else floor, "speed_measurable": bool(sp.measurable)}
 
 
 def _run_notes(o: _Outcome, caps) -> list[str]:
