@@ -93,21 +93,33 @@ def _finite(values: Sequence[Optional[float]]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v) and v > 0]
 
 
+# A ratio of two runs carries the noise of both: sqrt(2) times one run's spread.
+RATIO_NOISE = math.sqrt(2)
+
+
+def run_spread(timings: Sequence[float]) -> float:
+    """One run's repeat-to-repeat noise: the range of ``timings`` relative to their median (NaN with fewer
+    than MIN_RANKED_REPEATS finite ones)."""
+    t = _finite(timings)
+    return (max(t) - min(t)) / statistics.median(t) if len(t) >= MIN_RANKED_REPEATS else math.nan
+
+
 def noise_floor(reference_timings: Sequence[float], aa_timings: Sequence[float] = ()) -> float:
-    """How far (relative, 0.04 = ±4%) two identical runs' throughputs differ on this machine; NaN when unknown.
+    """How far (relative, 0.04 = ±4%) the throughputs of two identical runs differ on this machine; NaN when
+    unknown.
 
     With ``aa_timings`` (an unrecorded copy of the reference, timed in every repeat beside it) the floor is the
-    largest |copy / reference - 1| over the repeats; else, with at least MIN_RANKED_REPEATS repeats, the
-    reference's own range over its repeats relative to its median. Never below MIN_EFFECT."""
+    largest |copy / reference - 1| over the repeats, a ratio measured as such; else, with at least
+    MIN_RANKED_REPEATS repeats, RATIO_NOISE times the reference's own range over its repeats relative to its
+    median (a ratio of two runs varies by both). Never below MIN_EFFECT."""
     pairs = [(a, b) for a, b in zip(aa_timings, reference_timings)
              if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0]
     if pairs:
         floor = max(max(a / b, b / a) - 1 for a, b in pairs)
     else:
-        ref = _finite(reference_timings)
-        if len(ref) < MIN_RANKED_REPEATS:
+        floor = RATIO_NOISE * run_spread(reference_timings)
+        if math.isnan(floor):
             return math.nan
-        floor = (max(ref) - min(ref)) / statistics.median(ref)
     return max(MIN_EFFECT, floor)
 
 
@@ -143,7 +155,7 @@ def speed(timings: Sequence[float], reference_timings: Sequence[float],
           floor: Optional[float] = None) -> Optional[Speed]:
     """Tokens/s of a variant over the reference's, paired by repeat (repeat r of each ran in the same round,
     under the same machine conditions); None when either has no finite timing. ``floor`` defaults to
-    ``noise_floor(reference_timings)``; the variant's own range over its repeats (relative to its median) raises
+    ``noise_floor(reference_timings)``; the variant's own spread (``RATIO_NOISE * run_spread(timings)``) raises
     it where that is wider."""
     pairs = [(a, b) for a, b in zip(timings, reference_timings)
              if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and b > 0]
@@ -152,11 +164,11 @@ def speed(timings: Sequence[float], reference_timings: Sequence[float],
     ratios = [a / b for a, b in pairs]
     if floor is None:
         floor = noise_floor(reference_timings)
-    own = _finite(timings)
-    if math.isfinite(floor) and len(own) >= MIN_RANKED_REPEATS:
+    own = RATIO_NOISE * run_spread(timings)
+    if math.isfinite(floor) and math.isfinite(own):
         # The variant's own repeats are a second look at the machine's noise: three timings of the reference
         # alone sometimes fall close together by chance (a floor at the 3% minimum, A/A ratios of 0.966).
-        floor = max(floor, (max(own) - min(own)) / statistics.median(own))
+        floor = max(floor, own)
     return Speed(statistics.median(ratios), min(ratios), max(ratios), len(ratios), float(floor))
 
 

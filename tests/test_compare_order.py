@@ -59,11 +59,15 @@ def test_three_variants_take_every_position_once(spy):
         mine = [c["result"] for c in spy if c["variant"] == name]
         assert cmp.results[name] is mine[0]
         assert cmp.timings[name] == [(m.summary["tokens_per_s"], m.summary["wall_s"]) for m in mine]
-    # The noise floor (the reference's own range over 3 repeats) is the same on every row; each row says
-    # whether its speed difference is outside it, as its verdict does.
+    # The noise floor (from the reference's own range over 3 repeats, raised to a variant's own where wider) is
+    # on every row; each row says whether its speed difference is outside it, as its verdict does.
     ref_tps = [t for t, _ in cmp.timings["A"]]
     assert cmp.noise_floor == pytest.approx(verdicts.noise_floor(ref_tps))
-    assert cmp.table.noise_floor.tolist() == pytest.approx([cmp.noise_floor] * 3)
+    floors = [cmp.verdicts[n].speed.floor if n != "A" else cmp.noise_floor for n in "ABC"]
+    assert cmp.table.noise_floor.tolist() == pytest.approx(floors)
+    for name in "BC":
+        own = verdicts.RATIO_NOISE * verdicts.run_spread([t for t, _ in cmp.timings[name]])
+        assert cmp.verdicts[name].speed.floor == pytest.approx(max(cmp.noise_floor, own))
     assert str(cmp.table.speed_measurable.dtype) == "boolean"
     for name in "BC":
         assert bool(cmp.table.set_index("variant").speed_measurable[name]) == cmp.verdicts[name].speed.measurable
@@ -103,9 +107,8 @@ def test_aa_copy_runs_in_the_rotation_unrecorded(spy, tmp_path):
     # The floor comes from the copy, and the verdicts judge against the same one.
     ref_tps = [t for t, _ in cmp.timings["A"]]
     assert cmp.noise_floor == pytest.approx(verdicts.noise_floor(ref_tps, cmp.aa_timings))
-    b = [t for t, _ in cmp.timings["B"]]   # B's own spread counts where it is wider (it has only 2 repeats here)
-    assert cmp.verdicts["B"].speed.floor == pytest.approx(cmp.noise_floor if len(b) < 3 else
-                                                          max(cmp.noise_floor, (max(b) - min(b)) / sorted(b)[1]))
+    own = verdicts.RATIO_NOISE * verdicts.run_spread([t for t, _ in cmp.timings["B"]])   # B's own, where wider
+    assert cmp.verdicts["B"].speed.floor == pytest.approx(max(cmp.noise_floor, own))
     assert "identical copy of 'A'" in cmp.format_table()
 
 

@@ -272,7 +272,7 @@ def test_speed_is_a_paired_ratio_with_its_spread_and_a_flip_is_no_ranking(monkey
         assert "faster" in v.text
     # a's range over its repeats is 0: the comparison's floor is the minimum effect; b is judged against its own
     # range where that is wider, in the table and in the verdict alike
-    own = (max(factors) - min(factors)) / statistics.median(factors)
+    own = verdicts.RATIO_NOISE * (max(factors) - min(factors)) / statistics.median(factors)
     assert cmp.noise_floor == pytest.approx(verdicts.MIN_EFFECT)
     assert v.speed.floor == pytest.approx(max(verdicts.MIN_EFFECT, own))
     assert t.loc["b", "noise_floor"] == pytest.approx(v.speed.floor)

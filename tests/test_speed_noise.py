@@ -46,11 +46,11 @@ def _check(cmp):
     for i, name in enumerate(names):
         positions = [(i - r) % len(names) + 1 for r in range(3)]
         assert t.loc[name, "order"] == ", ".join(map(str, positions))
-    # The floor is the reference's own spread over its repeats (the variant's own where wider), never below the
-    # minimum effect.
+    # The floor is the noise of a ratio of two runs with the reference's spread over its repeats (the variant's
+    # own where wider), never below the minimum effect.
     def spread(name):
         tps = [t for t, _ in cmp.timings[name]]
-        return (max(tps) - min(tps)) / statistics.median(tps)
+        return 2 ** 0.5 * (max(tps) - min(tps)) / statistics.median(tps)
 
     assert cmp.noise_floor == pytest.approx(max(verdicts.MIN_EFFECT, spread("A")))
     for name in ("B", "C"):

@@ -64,8 +64,9 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
                      timings=[160, 150, 170], reference_timings=[100, 100, 100], band=band)
     assert good.within_noise and good.leaves_band_at is None
     assert good.max_abs_diff == pytest.approx(0.05)
-    assert good.text == "bf16: 1.60x faster (±0.10, noise ±0.12), loss within seed noise at every step"
-    assert good.speed.floor == pytest.approx(20 / 160)   # the reference's range is 0: the variant's own counts
+    assert good.text == "bf16: 1.60x faster (±0.10, noise ±0.18), loss within seed noise at every step"
+    # the reference's range is 0: the variant's own counts, sqrt(2) times (a ratio of two runs varies by both)
+    assert good.speed.floor == pytest.approx(math.sqrt(2) * 20 / 160)
 
     fp16 = hist([5.0, 5.0, 5.0, 3.5], scale=[65536.0, 32768.0, 16384.0, 8192.0])
     bad = V.verdict("fp16", "fp32", fp16, ref,
@@ -74,7 +75,7 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
     assert bad.leaves_band_at == 2 and bad.within_noise is False
     assert (bad.scale_first, bad.scale_min) == (65536.0, 8192.0)
     assert bad.direction == "higher"
-    assert bad.text == ("fp16: no measurable speed difference (1.01x, within ±0.10 noise), loss higher than fp32 "
+    assert bad.text == ("fp16: no measurable speed difference (1.01x, within ±0.14 noise), loss higher than fp32 "
                         "beyond seed noise from step 2, 3 skipped steps (scale 65,536 → 8,192)")
 
     ref_v = V.verdict("fp32", "fp32", ref, ref, {"skipped_steps": 0}, band=band)
@@ -115,17 +116,18 @@ def test_two_agreeing_repeats_are_too_few_to_rank():
 
 
 def test_noise_floor_is_the_references_own_spread_or_the_aa_pair_and_never_below_the_minimum():
-    assert V.noise_floor([100, 110, 95]) == pytest.approx(15 / 100)
+    assert V.run_spread([100, 110, 95]) == pytest.approx(15 / 100)
+    assert V.noise_floor([100, 110, 95]) == pytest.approx(math.sqrt(2) * 15 / 100)   # a ratio: both runs' noise
     assert V.noise_floor([100, 100.5, 100]) == V.MIN_EFFECT
     assert math.isnan(V.noise_floor([100, 101]))                        # two repeats say nothing of the noise
     # an explicit A/A copy: the largest way it strayed from the reference in any repeat, either direction
     assert V.noise_floor([100, 100, 100], aa_timings=[104, 100, 95]) == pytest.approx(100 / 95 - 1)
-    # all three ratios above 1, but inside the reference's own ±15%: no ranking
+    # all three ratios above 1, but inside the noise of a ratio of two runs like the reference's: no ranking
     noisy = V.speed([110, 120, 105], [100, 110, 95])
-    assert noisy.low > 1 and noisy.floor == pytest.approx(0.15) and not noisy.measurable
+    assert noisy.low > 1 and noisy.floor == pytest.approx(math.sqrt(2) * 0.15) and not noisy.measurable
     v = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[110, 120, 105],
                   reference_timings=[100, 110, 95])
-    assert "no measurable speed difference (1.10x, within ±0.15 noise)" in v.text
+    assert "no measurable speed difference (1.10x, within ±0.21 noise)" in v.text
     # agreeing repeats, a quiet machine, but 2% is under the minimum effect
     assert not V.speed([102, 102, 102], [100, 100, 100]).measurable
     # the same difference stated as slower is judged alike (1/0.95 - 1 > 3%)

@@ -234,9 +234,9 @@ class ComparisonViews:
                     "variant whose own repeats spread wider is judged against its own spread; a speed difference "
                     "inside it is no difference")
         else:
-            line = (f"noise floor ±{self.noise_floor:.1%}: {ref!r}'s own range over its repeats, relative to its "
-                    f"median (a variant's own, where wider), and never below {least}; a speed difference inside "
-                    "it is no difference")
+            line = (f"noise floor ±{self.noise_floor:.1%}: √2 x {ref!r}'s own range over its repeats, relative "
+                    f"to its median (a ratio of two runs varies by both; a variant's own range where wider), and "
+                    f"never below {least}; a speed difference inside it is no difference")
         return [line] + [f"A/A: {n}" for n in self.aa_notes]
 
     def _seed_lines(self) -> list[str]:
