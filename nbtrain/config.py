@@ -33,6 +33,12 @@ Scheduler = Literal["constant", "linear", "cosine"]
 NonFinitePolicy = Literal["skip", "stop", "continue"]
 # experiment trackers report_to can name (nbtrain.integrations.trackers has one callback for each)
 Tracker = Literal["tensorboard", "trackio", "mlflow", "wandb"]
+# how rows of instruction / chat data are laid out (LLaMA-Factory's alpaca and sharegpt, OpenAI/TRL messages, TRL
+# prompt-completion); "text" is plain text, "auto" reads the format from the columns
+DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "messages", "prompt-completion"]
+DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
+CHAT_TEMPLATES = ("auto", "chatml", "llama3", "alpaca")   # or a literal Jinja template string
+TrainOn = Literal["completion", "last", "all"]
 TRACKERS: tuple[str, ...] = get_args(Tracker)
 
 
@@ -138,6 +144,22 @@ class TrainConfig(BaseModel):
                                                               "history) every N steps into output_dir")
     resume_from: Optional[str] = Field(None, description="a checkpoint directory, or output_dir: continue that run "
                                                          "exactly")
+    # -- instruction tuning (causal LM on chat / instruction data) --------------------------------------------
+    data_format: DataFormat = Field("auto", description="how rows are laid out: auto (from the columns), text, "
+                                    "alpaca (instruction/input/output), sharegpt (conversations), messages "
+                                    "(role/content) or prompt-completion")
+    columns: dict[str, str] = Field({}, description="the data's own column names for the format's, e.g. "
+                                    "{instruction: question, output: answer} (LLaMA-Factory's dataset_info columns); "
+                                    "blank = the format's names")
+    chat_template: str = Field("auto", description="chat data: auto (the tokenizer's own), chatml, llama3, alpaca "
+                               "(### Instruction / ### Response) or a Jinja template string")
+    train_on: TrainOn = Field("completion", description="chat data: which tokens carry the loss: completion (every "
+                              "assistant turn), last (the final assistant turn only) or all (prompts too)")
+    sample_prompts: list[str] = Field([], description="prompts the model answers greedily while it trains "
+                                      "(result.samples, the dashboard); blank = none")
+    sample_every: Optional[int] = Field(None, ge=1, description="answer the sample prompts every N steps (and at "
+                                        "the end); blank = at the end only")
+    max_new_tokens: int = Field(64, ge=1, le=4096, description="tokens per sample answer (greedy)")
     report_to: list[Tracker] = Field(
         [], description="log every step's record, the evals and the config to: tensorboard (output_dir/tensorboard, "
                         "else runs/<time>_<name>), trackio (its local store; trackio show), mlflow "
@@ -229,6 +251,43 @@ class TrainConfig(BaseModel):
                              f"(or none), got {v!r}")
         return list(dict.fromkeys(names))   # each once, in the order given
 
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        # a name nbtrain knows, or a Jinja template (it has a {{ ... }} or {% ... %}); an unknown name is refused,
+        # never silently replaced
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError(f"must be one of {', '.join(CHAT_TEMPLATES)} or a Jinja template string, got {v!r}")
+        name = v.strip()
+        if name.lower() in CHAT_TEMPLATES:
+            return name.lower()
+        if "{{" in v or "{%" in v:
+            return v
+        raise ValueError(f"unknown chat template {name!r}; choose from {', '.join(CHAT_TEMPLATES)} or give a Jinja "
+                         "template string (with {{ ... }} / {% ... %})")
+
+    @field_validator("sample_prompts", mode="before")
+    @classmethod
+    def _prompts(cls, v):
+        # one prompt as a string, a list or tuple of them; None = none
+        if v is None:
+            return []
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, (list, tuple)) or not all(isinstance(t, str) for t in items):
+            raise ValueError(f"must be a prompt or a list of prompts (strings), got {v!r}")
+        return [t for t in items if t.strip()]
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _columns(cls, v):
+        if v is None:
+            return {}
+        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(c, str) and k.strip() and c.strip()
+                                              for k, c in v.items()):
+            raise ValueError(f"must map the format's column names to the data's, e.g. {{'output': 'answer'}}; "
+                             f"got {v!r}")
+        return {k.strip(): c.strip() for k, c in v.items()}
+
     @field_validator("quant_bits")
     @classmethod
     def _bits(cls, v: int) -> int:
@@ -255,6 +314,12 @@ class TrainConfig(BaseModel):
             raise ValueError(f"data: {self.data!r} holds text, not images; task='image-classification' needs "
                              f"{' or '.join(map(repr, IMAGE_BUILTINS))}, a folder of class subfolders of images, "
                              "or a dataset id with an image column")
+        if self.data_format not in ("auto", "text") and self.task != "causal-lm":
+            raise ValueError(f"data_format: {self.data_format!r} is instruction / chat data, for task='causal-lm'; "
+                             f"set data_format='auto' or 'text' for task={self.task!r}")
+        if self.sample_prompts and self.task != "causal-lm":
+            raise ValueError(f"sample_prompts: a {self.task} model does not write answers; sample prompts need "
+                             "task='causal-lm'")
         if self.save_every and not self.output_dir:
             raise ValueError(f"save_every: {self.save_every} needs output_dir to be set (checkpoints go to "
                              "output_dir/checkpoints)")

@@ -216,3 +216,28 @@ def test_parse_override():
     assert parse_override("max_grad_norm=null") == ("max_grad_norm", None)
     with pytest.raises(ConfigError, match="not a TrainConfig field"):
         parse_override("learning_rate=1")
+
+
+def test_instruction_tuning_fields_are_checked_at_construction(tmp_path):
+    """Issue 26's fields: an unknown template name is refused by name, never replaced; chat data and sample
+    prompts need a causal LM."""
+    cfg = TrainConfig(data_format="alpaca", chat_template="ChatML", train_on="last", sample_prompts="Hi?",
+                      sample_every=5, columns={"output": " answer "})
+    assert cfg.chat_template == "chatml" and cfg.sample_prompts == ["Hi?"] and cfg.columns == {"output": "answer"}
+    jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert TrainConfig(chat_template=jinja).chat_template == jinja
+    with pytest.raises(ConfigError, match="unknown chat template 'vicuna'") as e:
+        TrainConfig(chat_template="vicuna")
+    assert e.value.field == "chat_template"
+    with pytest.raises(ConfigError, match="data_format") as e:
+        TrainConfig(task="sequence-classification", data="builtin:python-docs-topics", data_format="messages")
+    assert e.value.field == "data_format"
+    with pytest.raises(ConfigError, match="sample_prompts"):
+        TrainConfig(task="sequence-classification", data="builtin:python-docs-topics", sample_prompts=["x"])
+    for bad in ({"": "x"}, {"output": 3}, ["output"]):
+        with pytest.raises(ConfigError, match="columns"):
+            TrainConfig(columns=bad)
+    with pytest.raises(ConfigError, match="train_on"):
+        TrainConfig(train_on="prompts")
+    cfg.to_yaml(tmp_path / "c.yaml")
+    assert TrainConfig.from_yaml(tmp_path / "c.yaml") == cfg

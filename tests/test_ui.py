@@ -88,6 +88,14 @@ CHANGES = {
     "save_every": ("10", 10),
     "resume_from": ("/tmp/nbtrain-out/checkpoints", "/tmp/nbtrain-out/checkpoints"),
     "report_to": ("[tensorboard]", ["tensorboard"]),
+    "data_format": ("alpaca", "alpaca"),
+    "columns": ("{output: answer}", {"output": "answer"}),
+    "chat_template": ("chatml", "chatml"),
+    "train_on": ("last", "last"),
+    "sample_prompts": ("What does the with statement do?\n\nWhat is a list?", ["What does the with statement do?",
+                                                                               "What is a list?"]),
+    "sample_every": ("5", 5),
+    "max_new_tokens": (32, 32),
 }
 
 

@@ -41,7 +41,8 @@ INIT_FIELDS = ("model", "task", "data", "label_column", "method", "lora_r", "lor
 # the unpadded token ids of each step, so 8 x 1 and 2 x 4 hash alike; micro_batch_size and grad_accum_steps
 # are here because their product, the examples per step, changes what a step holds.
 DATA_FIELDS = ("model", "task", "data", "text_column", "label_column", "max_seq_len", "subset", "packing",
-               "eval_fraction", "micro_batch_size", "grad_accum_steps", "max_steps", "epochs")
+               "eval_fraction", "micro_batch_size", "grad_accum_steps", "max_steps", "epochs", "data_format",
+               "columns", "chat_template")
 # Fields that never explain a difference: changing them unpairs the runs.
 UNPAIRING_FIELDS = ("seed",)
 
@@ -49,7 +50,7 @@ UNPAIRING_FIELDS = ("seed",)
 # variant sets one of these (or the field the message starts with, "lora_targets: ...") differently.
 INPUT_FIELDS = {
     DataError: ("model", "task", "data", "text_column", "label_column", "image_column", "max_seq_len", "subset",
-                "packing", "eval_fraction", "seed"),
+                "packing", "eval_fraction", "seed", "data_format", "columns", "chat_template", "train_on"),
     ModelError: ("model", "task", "data", "label_column", "method", "quant_bits", "lora_targets"),
 }
 # What a message's first word names when it is not a field: a batch is cut by the micro batch size.

@@ -175,6 +175,15 @@ def _check(desc: str) -> Callable[[], widgets.Widget]:
     return lambda: widgets.Checkbox(description=desc, indent=True, style=_style(), layout=_layout())
 
 
+def _lines(desc: str, placeholder: str) -> Codec:
+    """A text area, one item per line (blank lines dropped): for a list of strings such as sample prompts."""
+    def make() -> widgets.Widget:
+        return widgets.Textarea(description=desc, placeholder=placeholder, rows=3, style=_style(),
+                                layout=_layout(WIDE_CONTROL_WIDTH), continuous_update=False)
+
+    return Codec(make, lambda v: "\n".join(v or []), lambda text: [t.strip() for t in text.splitlines() if t.strip()])
+
+
 def _with_widget(codec: Codec, make: Callable[[], widgets.Widget]) -> Codec:
     codec.make = make
     return codec
@@ -238,6 +247,18 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "save_every": _with_widget(_optional_int("no checkpoints"), _text("Checkpoint every", "blank: never")),
         "resume_from": _with_widget(_optional_str("starting fresh"),
                                     _text("Resume from", "blank: fresh run", WIDE_CONTROL_WIDTH)),
+        "data_format": Codec(_dropdown("Data format", [("auto (from the columns)", "auto"), ("plain text", "text"),
+                                                       ("alpaca", "alpaca"), ("sharegpt", "sharegpt"),
+                                                       ("messages", "messages"),
+                                                       ("prompt-completion", "prompt-completion")])),
+        "chat_template": Codec(_combo("Chat template", ["auto", "chatml", "llama3", "alpaca"],
+                                      "auto, chatml, llama3, alpaca or a Jinja string")),
+        "train_on": Codec(_dropdown("Loss on", [("answers (every assistant turn)", "completion"),
+                                                ("the last answer only", "last"), ("all tokens (prompts too)", "all")])),
+        "sample_prompts": _lines("Sample prompts", "one prompt per line: answered while it trains"),
+        "sample_every": _with_widget(_optional_int("sampling at the end only"),
+                                     _text("Sample every (steps)", "blank: at the end")),
+        "max_new_tokens": Codec(_int("Answer length (tokens)")),
     }
 
 

@@ -20,14 +20,15 @@ from .controls import Choice, Codec, make_codecs, yaml_codec
 # Which tab each field lives on. A field not listed here lands on "Training" (see section_of).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Model": ("model", "task"),
-    "Data": ("data", "text_column", "label_column", "image_column", "max_seq_len", "subset", "packing", "eval_fraction"),
+    "Data": ("data", "data_format", "columns", "chat_template", "train_on", "text_column", "label_column",
+             "image_column", "max_seq_len", "subset", "packing", "eval_fraction"),
     "Precision": ("precision",),
     "Accumulation": ("micro_batch_size", "grad_accum_steps", "auto_batch_size"),
     "Method": ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
                "gradient_checkpointing", "lean_layers"),
     "Training": ("lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
                  "eval_every", "log_every", "seed", "nonfinite", "output_dir", "save_every", "resume_from",
-                 "chunked_loss", "loss_chunk_tokens", "compile"),
+                 "chunked_loss", "loss_chunk_tokens", "compile", "sample_prompts", "sample_every", "max_new_tokens"),
 }
 
 PRECISION_HINTS: dict[str, str] = {
