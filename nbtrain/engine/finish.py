@@ -19,12 +19,13 @@ from .callbacks import CallbackError, StopTraining
 from .doctor import diagnose
 from .evaluate import evaluate
 from .prepare import RunState, uncompile
-from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
+from .records import STEP_FIELDS, EvalRecord, RunInfo, SampleRecord, StepRecord
+from .sampling import Sampler, generate, sample_frame
 from .telemetry import host_rss_gib
 
 EVAL_FIELDS = ("step", "eval_loss", "eval_tokens", "eval_accuracy", "eval_perplexity")
 # Keys a summary shows only when they have a value (classification has no perplexity, most runs no advice).
-_ONLY_WHEN_SET = ("eval_accuracy", "eval_perplexity", "advice", "variant")
+_ONLY_WHEN_SET = ("eval_accuracy", "eval_perplexity", "advice", "variant", "sample_s")
 
 
 @dataclass(eq=False)
@@ -60,6 +61,7 @@ class RunSummary(Mapping):
     advice: Optional[list[str]] = None
     variant: Optional[str] = None
     world_size: int = 1
+    sample_s: Optional[float] = None   # time spent answering the sample prompts (in wall_s, not in tokens_per_s)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def _keys(self) -> list[str]:
@@ -113,6 +115,25 @@ class TrainResult:
     config: TrainConfig
     info: Optional[RunInfo] = None
     records: list[StepRecord] = field(default_factory=list, repr=False)
+    #: the sample prompts' answers (step, prompt, answer, new_tokens, seconds, variant); empty without prompts
+    samples: pd.DataFrame = field(default_factory=lambda: sample_frame([]), repr=False)
+    sample_records: list[SampleRecord] = field(default_factory=list, repr=False)
+    chat: bool = False   # whether prompts get the chat template (chat / instruction data), for generate()
+
+    def generate(self, prompt: str, max_new_tokens: Optional[int] = None, system: Optional[str] = None) -> str:
+        """The trained model's greedy answer to ``prompt``, the chat template applied for chat data, under the
+        run's precision; ``max_new_tokens`` defaults to the config's."""
+        if self.model is None:
+            raise ValueError("generate: this result holds no model (compare() drops the models of seed runs and "
+                             "of ones that could not leave the GPU)")
+        if self.config.task != "causal-lm":
+            raise ValueError(f"generate: a {self.config.task} model does not write answers; task='causal-lm' does")
+        from ..precision import PRECISION_TABLE
+
+        spec = PRECISION_TABLE.get(self.summary.get("precision_used"))
+        answer, _ = generate(self.model, self.tokenizer, self.config, prompt, chat=self.chat, spec=spec,
+                             max_new_tokens=max_new_tokens, system=system)
+        return answer
 
     def figure(self):
         """Loss, grad norm, loss scale and memory of this run as a plotly Figure."""
@@ -162,16 +183,20 @@ def undo(st: RunState, stopped_reason: str) -> None:
             torch.cuda.empty_cache()
 
 
-def summarize(st: RunState, stopped_reason: str, wall: float, underflow) -> RunSummary:
+def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
+              sampler: Optional[Sampler] = None) -> RunSummary:
     """The run's summary from its records and what prepare() knew."""
     records, evals = st.records, st.evals
     peaks = [r.vram_peak_gib for r in records if r.vram_peak_gib is not None]
     tensor_peaks = [r.host_tensors_gib for r in records if r.host_tensors_gib is not None]
     n_in_tokens = sum(r.tokens_per_s * r.step_time_s for r in records)
+    # answering sample prompts is no training: out of the throughput, stated on its own
+    sample_s = sampler.seconds if sampler is not None and sampler.prompts else None
+    train_wall = wall - (sample_s or 0.0)
     last_eval = evals[-1] if evals else None
     return RunSummary(
         steps=len(records), tokens=int(sum(r.tokens for r in records)),
-        tokens_per_s=n_in_tokens / wall if wall > 0 else 0.0,
+        tokens_per_s=n_in_tokens / train_wall if train_wall > 0 else 0.0,
         peak_vram_gib=max(peaks) if peaks else None,
         peak_host_rss_gib=max((r.host_rss_gib for r in records), default=host_rss_gib()),
         peak_host_tensors_gib=max(tensor_peaks) if tensor_peaks else None,
@@ -188,26 +213,39 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow) -> RunS
         grad_fp16_underflow_share=float(underflow) if underflow is not None else None,
         # The loop only records the out-of-memory stop; what to change comes from the estimator.
         advice=oom_advice(st.cfg) if stopped_reason == "out_of_memory" else None,
-        variant=st.variant, world_size=st.dist.world,
+        variant=st.variant, world_size=st.dist.world, sample_s=sample_s,
     )
 
 
 def finish(st: RunState, step: int, stopped_reason: str, wall: float, underflow,
-           cb_error: Optional[CallbackError] = None) -> TrainResult:
-    """Final evaluation, summary, outputs and ``on_run_end``; then a callback's error, with the result on it."""
+           cb_error: Optional[CallbackError] = None, sampler: Optional[Sampler] = None) -> TrainResult:
+    """Final evaluation, the last samples, summary, outputs and ``on_run_end``; then a callback's error, with the
+    result on it."""
     try:
-        if stopped_reason not in ("interrupted", "out_of_memory", "callback_error") and st.data.eval \
-                and st.dist.rank == 0:
+        ended_well = stopped_reason not in ("interrupted", "out_of_memory", "callback_error")
+        if sampler is not None and sampler.prompts and ended_well:
+            before = sampler.seconds
+            try:   # every rank answers (a sharded model's forward needs them all); rank 0 alone has callbacks
+                sampler.final(step)
+            except StopTraining:
+                pass
+            except CallbackError as e:
+                cb_error = e
+            # the loop's clock stopped before these answers: wall_s is the whole run, sample_s in it
+            wall += sampler.seconds - before
+        if ended_well and st.data.eval and st.dist.rank == 0:
             try:
                 run_eval(st, step)
             except StopTraining:
                 pass
             except CallbackError as e:
                 cb_error = e
-        summary = summarize(st, stopped_reason, wall, underflow)
+        summary = summarize(st, stopped_reason, wall, underflow, sampler)
+        samples = sampler.records if sampler is not None else []
         result = TrainResult(history=frame(st.records, STEP_FIELDS), eval_history=frame(st.evals, EVAL_FIELDS),
                              summary=summary, model=st.model, tokenizer=st.tokenizer, config=st.cfg, info=st.info,
-                             records=st.records)
+                             records=st.records, samples=sample_frame(samples), sample_records=list(samples),
+                             chat=sampler.chat if sampler is not None else False)
         if st.cfg.output_dir and st.dist.rank == 0:
             write_outputs(result, st.cfg.output_dir)
         # Every callback hears the end, even after one of them failed.
@@ -229,5 +267,7 @@ def write_outputs(result: TrainResult, output_dir) -> Path:
     result.config.to_yaml(out / "config.yaml")
     result.history.to_csv(out / "history.csv", index=False)
     result.eval_history.to_csv(out / "eval_history.csv", index=False)
+    if len(result.samples):
+        result.samples.to_csv(out / "samples.csv", index=False)
     (out / "summary.json").write_text(json.dumps(dict(result.summary), indent=2, default=str))
     return out

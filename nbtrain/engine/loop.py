@@ -26,6 +26,7 @@ from .finish import TrainResult, finish, run_eval, undo
 from .losses import micro_loss_sum
 from .prepare import RunState, prepare
 from .records import StepRecord
+from .sampling import Sampler
 from .telemetry import device_memory_gib, host_rss_gib, reset_peak
 from .threads import spawn
 
@@ -52,6 +53,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
     stopped_reason = "max_steps" if cfg.max_steps is not None else "epochs"
     cb_error: Optional[CallbackError] = None
     step, underflow = st.start_step, None
+    sampler = Sampler(st)   # sample prompts' answers; without prompts it is never due
     st.model.train()
     optimizer.zero_grad(set_to_none=True)
     reset_peak(device)
@@ -146,6 +148,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                     run_eval(st, step)
                 if cfg.save_every and step % cfg.save_every == 0 and st.ckpt_dir is not None:
                     save_run(st, step)
+                if sampler.due(step):   # answering is no step's time: the next step's clock starts after it
+                    t_prev += sampler.run(step)
             except StopTraining:
                 stop_event.set()   # every rank learns it at the next step's agreement
                 stopped_reason = "stopped"
@@ -162,7 +166,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         raise
     finally:
         undo(st, stopped_reason)
-    return finish(st, step, stopped_reason, time.perf_counter() - t_start, underflow, cb_error)
+    return finish(st, step, stopped_reason, time.perf_counter() - t_start, underflow, cb_error, sampler)
 
 
 # ---------------------------------------------------------------------------------------------------------------

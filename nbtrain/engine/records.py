@@ -73,3 +73,21 @@ class RunInfo:
     max_grad_norm: Optional[float]
     variant: Optional[str] = None
     model: Any = field(default=None, repr=False, compare=False)  # to observe (e.g. snapshot weights), never to change
+
+
+@dataclass
+class SampleRecord:
+    """A sample prompt's greedy answer at optimizer step ``step`` (``on_sample``; a row of ``result.samples``)."""
+
+    step: int
+    prompt: str
+    answer: str
+    new_tokens: int                # tokens generated (the stop token included when one ended the answer)
+    seconds: float                 # wall time of this answer (not counted in any step's step_time_s)
+    variant: Optional[str] = None  # set by compare(): which variant answered
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SampleRecord))
