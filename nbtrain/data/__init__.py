@@ -7,6 +7,7 @@ examples into the micro-batches of each optimizer step. Nothing here imports wid
 from .batching import ImageBatch, MicroBatch, collate, epoch_order, iter_steps, steps_per_epoch
 from .builtin import BUILTINS, builtin_label_names, builtin_names, builtin_rows, builtin_texts
 from .bundle import IMAGE_EXTS, DataBundle, DataError
+from .chat import ensure_chat_tokens, prompt_ids
 from .images import TorchImageProcessor, digits_images, load_image_data
 from .loading import FILE_FORMATS, pack, split_indices
 from .loading import load_data as load_text_data
@@ -24,6 +25,6 @@ def load_data(cfg, tokenizer) -> DataBundle:
 __all__ = [
     "BUILTINS", "FILE_FORMATS", "IMAGE_EXTS", "DataBundle", "DataError", "ImageBatch", "MicroBatch",
     "TorchImageProcessor", "builtin_label_names", "builtin_names", "builtin_rows", "builtin_texts", "collate",
-    "digits_images", "epoch_order", "iter_steps", "load_data", "load_image_data", "load_text_data", "pack",
+    "digits_images", "ensure_chat_tokens", "epoch_order", "iter_steps", "load_data", "load_image_data", "load_text_data", "pack", "prompt_ids",
     "split_indices", "steps_per_epoch",
 ]

@@ -35,6 +35,8 @@ class MicroBatch:
     n_targets: int                 # causal LM: positions the shifted loss counts; classification: B
     n_tokens: int                  # non-padding input tokens
     indices: tuple[int, ...] = ()  # positions of its examples in the list given to iter_steps
+    # packed chat data: (B, T) long, restarting at 0 for each packed example (padding continues as one more run)
+    position_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -45,20 +47,26 @@ class MicroBatch:
             input_ids=self.input_ids.to(device, non_blocking=non_blocking),
             attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
-            n_targets=self.n_targets, n_tokens=self.n_tokens, indices=self.indices)
+            n_targets=self.n_targets, n_tokens=self.n_tokens, indices=self.indices,
+            position_ids=None if self.position_ids is None else self.position_ids.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> MicroBatch:
         """A copy in pinned (page-locked) host memory, so a ``to(cuda, non_blocking=True)`` does not wait."""
         return MicroBatch(input_ids=self.input_ids.pin_memory(), attention_mask=self.attention_mask.pin_memory(),
                           labels=self.labels.pin_memory(), n_targets=self.n_targets, n_tokens=self.n_tokens,
-                          indices=self.indices)
+                          indices=self.indices,
+                          position_ids=None if self.position_ids is None else self.position_ids.pin_memory())
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` and ``labels`` as keyword arguments for a HF model."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels}
+        return {**self.forward_inputs(), "labels": self.labels}
 
     def forward_inputs(self) -> dict[str, torch.Tensor]:
-        """What the forward takes (no labels: the loop computes the loss itself)."""
+        """What the forward takes (no labels: the loop computes the loss itself). Packed examples pass their
+        ``position_ids`` and no padding mask: transformers then masks attention between the examples (each run of
+        positions is its own block), and padding, its own run at the end, is seen by no real token."""
+        if self.position_ids is not None:
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids}
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
 
 
@@ -131,7 +139,24 @@ def collate(examples: list[dict], pad_token_id: int, task: str,
     input_ids = torch.full((len(seqs), width), int(pad_token_id), dtype=torch.long)
     # a boolean-mask assignment fills row by row, which is exactly the concatenated sequences
     input_ids[mask] = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)
-    if task == CAUSAL_LM:
+    position_ids = None
+    if task == CAUSAL_LM and any("labels" in ex for ex in examples):
+        # chat data: the example's own labels (-100 off the answers), padded with -100; targets are counted after
+        # the shift the loss makes, so a step's normalisation is its answer tokens
+        labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+        try:
+            labels[mask] = torch.tensor(list(itertools.chain.from_iterable(ex["labels"] for ex in examples)),
+                                        dtype=torch.long)
+        except (KeyError, RuntimeError):
+            raise DataError("collate: chat examples need 'labels' as long as their 'input_ids' in every example "
+                            "of a batch") from None
+        n_targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        if any("position_ids" in ex for ex in examples):
+            # padding gets positions 0.. too: a run of its own, so no real token attends to it
+            position_ids = torch.arange(width).repeat(len(seqs), 1) - lengths[:, None]
+            position_ids[mask] = torch.tensor(list(itertools.chain.from_iterable(
+                ex.get("position_ids", range(len(ex["input_ids"]))) for ex in examples)), dtype=torch.long)
+    elif task == CAUSAL_LM:
         # mask by position, not by id: when pad == eos the real eos tokens must stay targets
         labels = input_ids.masked_fill(~mask, IGNORE_INDEX)
         n_targets = int((lengths - 1).clamp(min=0).sum())
@@ -143,7 +168,8 @@ def collate(examples: list[dict], pad_token_id: int, task: str,
                             "example") from None
         n_targets = len(examples)
     return MicroBatch(input_ids=input_ids, attention_mask=mask.long(), labels=labels,
-                      n_targets=n_targets, n_tokens=int(lengths.sum()), indices=tuple(indices))
+                      n_targets=n_targets, n_tokens=int(lengths.sum()), indices=tuple(indices),
+                      position_ids=position_ids)
 
 
 def steps_per_epoch(n_examples: int, micro_batch_size: int, grad_accum_steps: int) -> int:

@@ -32,6 +32,14 @@ topic key such as ``"assignment"`` to a few pages of plain-text reference docume
     wording: statements talk about statements and blocks, expressions about operators and operands,
     the data model about ``__dunder__`` methods, builtin types about ``str.``/``dict`` methods.
 
+``builtin:python-docs-qa`` (instruction tuning, column ``messages``)
+    Questions about the topics answered from the reference: for each topic (``debugger``, the pdb manual, and
+    ``else``, which repeats ``if``, are left out) four phrasings of a question ("What does the `with` statement
+    do?", "Explain ..."), each answered by the topic's opening prose (grammar lines with ``::=`` skipped): whole
+    sentences up to about 240 characters, so a ChatML conversation fits in 128 tiny-preset tokens. A one-line
+    system prompt comes first. Ordered phrasing by phrasing (all topics once, then again), so the first N rows
+    cover many topics. About 300 rows; the same list every time.
+
 ``builtin:digits`` (image classification)
     scikit-learn's ``load_digits()``: 1,797 grey 8x8 images of handwritten digits (UCI's optical
     recognition set, 4-bit pixels 0..16) labelled 0-9, shipped inside the scikit-learn package, in its
@@ -77,6 +85,8 @@ BUILTINS: dict[str, str] = {
     "python-docs": "paragraphs of the Python reference (pydoc_data.topics), for causal LM",
     "python-docs-topics": "the same paragraphs labelled statements / expressions / data-model / "
                           "builtin-types, for sequence classification",
+    "python-docs-qa": "questions about Python's reference answered from it (pydoc_data.topics), chat messages "
+                      "with a system prompt, for instruction tuning",
     "digits": "1,797 handwritten digits, 8x8 grey images labelled 0-9 (scikit-learn's load_digits), for "
               "image classification",
 }
@@ -151,6 +161,60 @@ def _topics() -> tuple[tuple[str, int], ...]:
     return tuple((picked[g][i], g) for i in range(size) for g in range(len(TOPIC_LABELS)))
 
 
+QA_SYSTEM = "You answer questions about Python from its reference manual, briefly."
+QA_MAX_CHARS = 240
+_QA_SKIP = ("debugger", "else")
+_STATEMENTS = {"assert", "break", "class", "continue", "del", "for", "global", "if", "import", "nonlocal", "pass",
+               "raise", "return", "try", "while", "with", "yield"}
+_QA_NAMES = {"bltin-code-objects": "code objects", "bltin-ellipsis-object": "the Ellipsis object",
+             "bltin-null-object": "the None object", "bltin-type-objects": "type objects",
+             "typesfunctions": "function objects", "typesmapping": "mapping types", "typesmethods": "method objects",
+             "typesmodules": "module objects", "typesseq": "sequence types", "typesseq-mutable": "mutable sequences",
+             "execmodel": "the execution model", "augassign": "augmented assignment", "formatstrings":
+             "format strings", "specialattrs": "special attributes", "specialnames": "special method names",
+             "exprlists": "expression lists", "id-classes": "reserved classes of identifiers", "in": "the `in` operator",
+             "lambda": "lambda expressions", "await": "the `await` expression", "async": "coroutines"}
+
+
+def _qa_subject(key: str) -> str:
+    if key in _STATEMENTS:
+        return f"the `{key}` statement"
+    return _QA_NAMES.get(key, key.replace("-", " "))
+
+
+def _qa_answer(paras: tuple[str, ...]) -> str:
+    """The topic's opening prose: whole sentences (grammar skipped) up to about QA_MAX_CHARS characters."""
+    sentences: list[str] = []
+    for p in paras:
+        if "::=" in p:
+            continue
+        sentences += [x for x in re.split(r"(?<=[.!?])\s+", p) if x]
+        if sum(map(len, sentences)) >= QA_MAX_CHARS:
+            break
+    out = ""
+    for x in sentences:
+        if out and len(out) + 1 + len(x) > QA_MAX_CHARS:
+            break
+        out = f"{out} {x}" if out else x
+    out = out[:QA_MAX_CHARS].strip()
+    return out[:-1] + "." if out.endswith(":") else out
+
+
+@functools.lru_cache(maxsize=1)
+def _qa() -> tuple[tuple[str, str], ...]:
+    topics = [(k, _qa_subject(k), _qa_answer(p)) for k, p in _topic_paragraphs() if k not in _QA_SKIP and p]
+    phrasings = ("What does the Python reference say about {s}?", "Explain {s} in Python.",
+                 "What is {s}?", "Tell me briefly about {s}.")
+    out = []
+    for f in phrasings:
+        for key, subject, answer in topics:
+            if not answer:
+                continue
+            q = f"What does {subject} do?" if f == "What is {s}?" and key in _STATEMENTS else f.format(s=subject)
+            out.append((q, answer))
+    return tuple(out)
+
+
 def builtin_names() -> list[str]:
     """Names of the builtin datasets (use them as ``data="builtin:<name>"``)."""
     return list(BUILTINS)
@@ -161,12 +225,18 @@ def builtin_texts(name: str) -> list[str]:
     name = _text_name(name)
     if name == "python-docs":
         return list(_docs())
+    if name == "python-docs-qa":
+        return [f"{q}\n{a}" for q, a in _qa()]
     return [t for t, _ in _topics()]
 
 
 def builtin_rows(name: str) -> list[dict]:
-    """A builtin dataset as rows: ``{"text": str}``, plus ``"label": int`` for the labelled one."""
+    """A builtin dataset as rows: ``{"text": str}``, plus ``"label": int`` for the labelled one; ``{"messages":
+    [system, user, assistant]}`` for ``python-docs-qa``."""
     name = _text_name(name)
+    if name == "python-docs-qa":
+        return [{"messages": [{"role": "system", "content": QA_SYSTEM}, {"role": "user", "content": q},
+                              {"role": "assistant", "content": a}]} for q, a in _qa()]
     if name == "python-docs":
         return [{"text": t} for t in _docs()]
     return [{"text": t, "label": g} for t, g in _topics()]

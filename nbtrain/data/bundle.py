@@ -19,7 +19,10 @@ class DataBundle:
     """Tokenized train and eval examples, ready for ``iter_steps``.
 
     Each example is ``{"input_ids": list[int]}``, plus ``"label": int`` for sequence classification; for image
-    classification it is ``{"pixel_values": (C, H, W) float32 tensor, "label": int}``.
+    classification it is ``{"pixel_values": (C, H, W) float32 tensor, "label": int}``. Chat data adds ``"labels":
+    list[int]`` (unshifted, as Hugging Face's: the token id where it is a target, -100 elsewhere) and, packed,
+    ``"position_ids"`` restarting at 0 for each example; its ``stats`` say ``data_format``, ``chat_template``,
+    ``train_on``, ``target_tokens``, ``truncated_examples`` and ``dropped_no_answer``.
     """
 
     train: list[dict]

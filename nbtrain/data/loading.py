@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import hub
-from . import builtin
+from . import builtin, chat
 from .bundle import IMAGE_EXTS, DataBundle, DataError
 
 if TYPE_CHECKING:
@@ -80,6 +80,10 @@ class _Rows:
     source: str           # for DataBundle.source
     text_column: str
     label_column: str
+    fmt: str = "text"                 # or a chat format (chat.CHAT_FORMATS): then ``records`` holds the rows
+    records: list[dict] | None = None
+    colmap: dict[str, str] | None = None
+    tags: dict[str, str] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +101,8 @@ def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
     pad_token_id = _pad_token_id(tokenizer)
 
     rows = _read(cfg)
+    if rows.fmt != "text":
+        return _load_chat(cfg, tokenizer, rows, pad_token_id)
     texts, labels, label_names, n_blank = _clean(rows, task)
     if cfg.subset is not None:
         texts = texts[: cfg.subset]
@@ -142,6 +148,45 @@ def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
     return DataBundle(train=train, eval=evals, task=task, pad_token_id=pad_token_id,
                       num_labels=num_labels, label_names=label_names if task == CLASSIFICATION else None,
                       source=rows.source, stats=stats)
+
+
+def _load_chat(cfg: TrainConfig, tokenizer, rows: _Rows, pad_token_id: int) -> DataBundle:
+    """Chat / instruction rows -> checked conversations -> ``{"input_ids", "labels"}`` with the answer masks."""
+    assert rows.records is not None
+    if not rows.records:
+        raise DataError(f"{rows.where}: no examples (0 rows)")
+    # every row is checked before any is tokenized, so a bad row 900 fails before training, naming itself
+    convs = [chat.to_messages(rows.fmt, rec, i, rows.colmap or {}, rows.tags or {}, rows.where)
+             for i, rec in enumerate(rows.records)]
+    if cfg.subset is not None:
+        convs = convs[: cfg.subset]
+    added = chat.ensure_chat_tokens(tokenizer, cfg)   # before tokenizing: the template's markers are single tokens
+    train_idx, eval_idx = split_indices(len(convs), cfg.eval_fraction, cfg.seed)
+    packing = bool(cfg.packing)
+    train, tcounts = chat.tokenize_conversations(tokenizer, cfg, [convs[i] for i in train_idx], cfg.max_seq_len)
+    evals, ecounts = chat.tokenize_conversations(tokenizer, cfg, [convs[i] for i in eval_idx], cfg.max_seq_len)
+    if not train:
+        raise DataError(f"{rows.where}: no training examples left: every conversation's answer lies beyond "
+                        f"max_seq_len={cfg.max_seq_len} tokens; raise max_seq_len")
+    stats: dict[str, Any] = {
+        "rows": len(rows.records), "documents": len(convs), "train_documents": len(train_idx),
+        "eval_documents": len(eval_idx), "data_format": rows.fmt,
+        "chat_template": chat.describe_template(tokenizer, cfg), "chat_tokens_added": added,
+        "train_on": cfg.train_on, "target_tokens": chat.target_count(train),
+        "truncated_examples": tcounts["truncated_examples"] + ecounts["truncated_examples"],
+        "dropped_no_answer": tcounts["dropped_no_answer"] + ecounts["dropped_no_answer"],
+        "packing": packing,
+    }
+    if packing:
+        train = chat.pack_chat(train, cfg.max_seq_len)
+        evals = chat.pack_chat(evals, cfg.max_seq_len)
+        # what the data side gives: position ids that restart per example, and forward inputs without a padding
+        # mask, from which transformers (>= 4.5x masking_utils) builds a block-diagonal mask for sdpa / eager
+        stats["packed_attention"] = ("separate: position_ids restart per example and the model masks attention "
+                                     "between packed examples (plain loss path; chunked_loss passes no position "
+                                     "ids yet, so there examples attend to each other)")
+    return DataBundle(train=train, eval=evals, task=CAUSAL_LM, pad_token_id=pad_token_id, num_labels=None,
+                      label_names=None, source=rows.source, stats=stats)
 
 
 def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -275,6 +320,12 @@ def _read(cfg: TrainConfig) -> _Rows:
             raise DataError(f"data: {data!r} holds images, not text; set task='image-classification' (task="
                             f"{cfg.task!r} needs a text dataset such as 'builtin:python-docs')")
         rows = builtin.builtin_rows(name)
+        if rows and "messages" in rows[0]:
+            if cfg.task != CAUSAL_LM:
+                raise DataError(f"data: {data!r} is chat data (messages), for task='causal-lm', not {cfg.task!r}")
+            return _Rows(texts=[], labels=None, label_names=None, where=f"data {data!r}",
+                         source=builtin.builtin_source(name), text_column="messages", label_column="label",
+                         fmt="messages", records=rows, colmap={}, tags={})
         has_labels = bool(rows) and "label" in rows[0]
         return _Rows(texts=[r["text"] for r in rows],
                      labels=[r["label"] for r in rows] if has_labels else None,
@@ -299,7 +350,10 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                       and p.suffix.lower() in FILE_FORMATS)
+                       and p.suffix.lower() in FILE_FORMATS and p.name != "dataset_info.json")
+        info = chat.dataset_info(path) if cfg.task == CAUSAL_LM else None
+        if info and info.get("file_name") and (path / info["file_name"]).is_file():
+            files = [path / info["file_name"]]   # LLaMA-Factory's entry names the file
         if not files:
             if any(p.suffix.lower() in IMAGE_EXTS for p in path.rglob("*") if p.is_file()):
                 raise DataError(f"data: directory '{path}' holds images, not text; set task='image-classification' "
@@ -321,6 +375,7 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
         files = [path]
         where = f"file '{path}'"
         desc = "file"
+        info = chat.dataset_info(path) if cfg.task == CAUSAL_LM else None
     builder, kwargs = FILE_FORMATS[files[0].suffix.lower()]
     try:
         ds = _load_dataset(where, builder, data_files=[str(f) for f in files], split="train", quiet=True,
@@ -332,7 +387,7 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
             raise DataError(f"data: could not read {where}: {bad}") from None
         raise
     return _rows_from_dataset(ds, cfg, where, f"{path} ({builder} {desc}, {ds.num_rows} rows)",
-                              single_text_column=builder == "text")
+                              single_text_column=builder == "text", info=info)
 
 
 def _read_hub(data: str, cfg: TrainConfig) -> _Rows:
@@ -372,11 +427,22 @@ def hub_dataset(data: str, hint: str = "") -> tuple[Any, str, str]:
 
 
 def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
-                       single_text_column: bool) -> _Rows:
+                       single_text_column: bool, info: dict | None = None) -> _Rows:
     import datasets
 
     features = ds.features
     columns = list(ds.column_names)
+    if single_text_column and cfg.data_format not in ("auto", "text"):
+        raise DataError(f"{where}: a text file holds plain text, one example per line, not data_format="
+                        f"{cfg.data_format!r}; give a json, jsonl, csv or parquet file for chat data")
+    if not single_text_column and cfg.task == CAUSAL_LM:
+        fmt, colmap, tags = chat.detect_format(columns, cfg, info, where)
+        if fmt != "text":
+            keep = sorted(set(colmap.values()))
+            records = ds.select_columns(keep).to_list()
+            return _Rows(texts=[], labels=None, label_names=None, where=where, source=source,
+                         text_column=colmap.get(chat.REQUIRED[fmt][0], ""), label_column=cfg.label_column,
+                         fmt=fmt, records=records, colmap=colmap, tags=tags)
     text_col = columns[0] if single_text_column else cfg.text_column
     if text_col not in features:
         images = [c for c, f in features.items() if isinstance(f, datasets.Image)]

@@ -19,6 +19,7 @@ import torch
 
 from ..config import TrainConfig
 from ..data import DataBundle, collate, load_data, steps_per_epoch
+from ..data.chat import describe_template, ensure_chat_tokens
 from ..hardware import capabilities, check_runnable, default_device
 from ..models import build_model, check_lora_targets, count_params, load_tokenizer
 from ..models.lean import lean_layers
@@ -114,6 +115,17 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     with RunRng(cfg.seed, device).active():
         tokenizer = load_tokenizer(cfg)
         data = load_data(cfg, tokenizer)
+        if cfg.task == "causal-lm" and (cfg.sample_prompts or "chat_template" in data.stats):
+            # the chat template's markers as single tokens (chat data added them while tokenizing; sample prompts
+            # on plain text need them too); build_model then sizes the embeddings to len(tokenizer)
+            added = ensure_chat_tokens(tokenizer, cfg) + list(data.stats.get("chat_tokens_added", []))
+            if added:
+                notes.append(f"chat template {describe_template(tokenizer, cfg)}: added special tokens "
+                             f"{', '.join(added)} to the tokenizer; the embeddings grow to {len(tokenizer)} rows")
+        if data.stats.get("truncated_examples") or data.stats.get("dropped_no_answer"):
+            notes.append(f"chat data: {data.stats['truncated_examples']} example(s) cut to max_seq_len={cfg.max_seq_len} "
+                         f"at a turn or inside an answer, {data.stats['dropped_no_answer']} dropped (no answer token "
+                         "left)")
     # The run's stream, from a fresh seed so the initial weights do not depend on how much randomness data
     # loading used; initial weights, dropout and the batch-size probe draw from it alone, never from the
     # caller's or a concurrent run's.

@@ -303,9 +303,22 @@ def load_base_model(cfg, tokenizer, num_labels: int | None, device: str, quantiz
     if src.kind == "local":
         _check_local(src)
     model = _from_pretrained(src, task, num_labels, device, quantization_config)
+    _fit_vocab(model, tokenizer)
     if quantization_config is None:
         model = model.to(device)
     return model
+
+
+def _fit_vocab(model, tokenizer) -> None:
+    """Grow the token embeddings (and a tied or untied output layer) to ``len(tokenizer)`` when the tokenizer gained
+    tokens the checkpoint lacks (a chat template's markers, ``nbtrain.data.chat.ensure_chat_tokens``); a checkpoint
+    whose table is already larger (padded vocabularies) is left alone."""
+    if tokenizer is None or not hasattr(model, "get_input_embeddings") or not hasattr(tokenizer, "__len__"):
+        return
+    emb = model.get_input_embeddings()
+    if emb is not None and len(tokenizer) > emb.num_embeddings:
+        # mean_resizing: new rows start at the mean of the old ones (transformers' default), not random noise
+        model.resize_token_embeddings(len(tokenizer))
 
 
 def _from_pretrained(src: ModelSource, task: str, num_labels, device: str, quantization_config):
