@@ -336,8 +336,10 @@ def test_llamafactory_dataset_info_and_sft(tmp_path, monkeypatch):
     (tmp_path / "sft.yaml").write_text("model_name_or_path: tiny\nstage: sft\ndataset: docs\ndataset_dir: data\n"
                                        "finetuning_type: full\nlr_scheduler_type: constant\nwarmup_steps: 4\n")
     cfg, unmapped = ex.read_llamafactory_yaml(tmp_path / "sft.yaml")
-    assert cfg.data == "data/docs.jsonl" and cfg.text_column == "content" and cfg.task == "causal-lm"
-    assert set(unmapped) == {"stage", "warmup_steps"}   # sft masking; "constant" ignores warm-up
+    # stage sft is instruction data: an entry without formatting is LLaMA-Factory's alpaca, prompt -> instruction
+    assert cfg.data == "data/docs.jsonl" and cfg.task == "causal-lm"
+    assert (cfg.data_format, cfg.columns, cfg.train_on) == ("alpaca", {"instruction": "content"}, "completion")
+    assert set(unmapped) == {"warmup_steps"}   # "constant" ignores warm-up
     assert cfg.scheduler == "constant" and cfg.warmup_steps == 0 and not cfg.packing
     assert cfg.epochs == 3.0 and cfg.max_steps is None                 # transformers' default: 3 epochs
     (tmp_path / "dpo.yaml").write_text("model_name_or_path: tiny\nstage: dpo\ndataset: docs\n")

@@ -6,9 +6,17 @@
   pair; ``training_arguments_kwargs(cfg)`` the plain keywords.
 - ``llamafactory``: ``to_llamafactory_yaml`` / ``read_llamafactory_yaml`` / ``from_llamafactory_yaml``
 - ``autotrain``: ``to_autotrain_yaml`` / ``read_autotrain_yaml`` / ``from_autotrain_yaml``
+- ``trl_sft``: ``sft_config_kwargs(cfg)``, the keywords of TRL's ``SFTConfig`` (TrainingArguments' plus
+  ``max_length``, ``packing``, ``completion_only_loss``, ``assistant_only_loss``); ``sft_config`` adds notes.
 - ``accelerate_config``: ``to_accelerate_config_yaml``, an ``accelerate launch --config_file`` for several
   processes.
 - ``mapping``: what they share (tool names for nbtrain's optimizer and schedules, notes, YAML text, the reader).
+
+Instruction / chat data (``mapping.chat_format``: a named ``data_format``, or ``"auto"`` on nbtrain's builtin
+chat set; a file under ``"auto"`` exports as plain text, since an export reads no data) exports as
+LLaMA-Factory's ``stage: sft`` (with its ``dataset_info.json`` entry), AutoTrain's ``llm-sft`` and TRL's
+SFTConfig. nbtrain's samples (``sample_prompts``, ``sample_every``, ``max_new_tokens``) have no equivalent in
+any of them: each export names them in its notes.
 
 Each export also returns (``*_config``) or writes (as YAML comments) its *notes*: the fields the other tool
 cannot express or runs differently. Imports map every key they know; a key (or a value) with no nbtrain
@@ -42,26 +50,29 @@ from .llamafactory import (
     LLAMAFACTORY_FIELDS,
     from_llamafactory_yaml,
     llamafactory_config,
+    llamafactory_dataset_info,
     read_llamafactory_yaml,
     to_llamafactory_yaml,
 )
-from .mapping import NBTRAIN_ONLY, hf_scheduler, write_text
+from .mapping import CHAT_BUILTINS, NBTRAIN_ONLY, SAMPLE_FIELDS, chat_format, hf_scheduler, write_text
 from .training_args import (
     nbtrain_optimizer_and_scheduler,
     peft_and_quant_configs,
     to_training_arguments,
     training_arguments_kwargs,
 )
+from .trl_sft import TRL_SFT_FIELDS, sft_config, sft_config_kwargs
 
 # the names ``export_text`` (and ``nbtrain export --to``) take
-EXPORT_FORMATS = ("training-args", "llamafactory", "autotrain", "accelerate-config")
+EXPORT_FORMATS = ("training-args", "trl-sft", "llamafactory", "autotrain", "accelerate-config")
 
-__all__ = ["AUTOTRAIN_FIELDS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY", "accelerate_config",
-           "autotrain_config", "export_text", "from_autotrain_yaml", "from_llamafactory_yaml", "hf_scheduler",
-           "llamafactory_config", "nbtrain_optimizer_and_scheduler", "peft_and_quant_configs",
-           "read_autotrain_yaml", "read_llamafactory_yaml", "to_accelerate_config_yaml", "to_autotrain_yaml",
-           "to_llamafactory_yaml", "to_training_arguments", "training_arguments_json",
-           "training_arguments_kwargs"]
+__all__ = ["AUTOTRAIN_FIELDS", "CHAT_BUILTINS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY",
+           "SAMPLE_FIELDS", "TRL_SFT_FIELDS", "accelerate_config", "autotrain_config", "chat_format", "export_text",
+           "from_autotrain_yaml", "from_llamafactory_yaml", "hf_scheduler", "llamafactory_config",
+           "llamafactory_dataset_info", "nbtrain_optimizer_and_scheduler", "peft_and_quant_configs",
+           "read_autotrain_yaml", "read_llamafactory_yaml", "sft_config", "sft_config_json", "sft_config_kwargs",
+           "to_accelerate_config_yaml", "to_autotrain_yaml", "to_llamafactory_yaml", "to_training_arguments",
+           "training_arguments_json", "training_arguments_kwargs"]
 
 
 def training_arguments_json(cfg: TrainConfig) -> dict[str, Any]:
@@ -76,12 +87,23 @@ def training_arguments_json(cfg: TrainConfig) -> dict[str, Any]:
     return out
 
 
+def sft_config_json(cfg: TrainConfig) -> dict[str, Any]:
+    """TRL's SFTConfig keywords, plus ``peft_config`` / ``quantization_config`` when the method uses them and
+    the ``notes``, as JSON-friendly dicts (``trl.SFTConfig(**out["sft_config"])``)."""
+    out = training_arguments_json(cfg)
+    kw, notes = sft_config(cfg)
+    out.pop("training_arguments")
+    return {"sft_config": kw, **out, "notes": notes}
+
+
 def export_text(cfg: TrainConfig, to: str, path: Optional[str | os.PathLike] = None) -> str:
     """The text of one export by name (the ``nbtrain export`` command): training-args (JSON of the
-    TrainingArguments keywords, plus peft_config / quantization_config), llamafactory, autotrain,
-    accelerate-config. Written to ``path`` when given."""
+    TrainingArguments keywords, plus peft_config / quantization_config), trl-sft (the same for TRL's SFTConfig,
+    with notes), llamafactory, autotrain, accelerate-config. Written to ``path`` when given."""
     if to == "training-args":
         return write_text(json.dumps(training_arguments_json(cfg), indent=2, default=str) + "\n", path)
+    if to == "trl-sft":
+        return write_text(json.dumps(sft_config_json(cfg), indent=2, default=str) + "\n", path)
     if to == "llamafactory":
         return to_llamafactory_yaml(cfg, path)
     if to == "autotrain":

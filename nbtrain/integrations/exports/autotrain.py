@@ -1,5 +1,11 @@
 """AutoTrain Advanced: ``to_autotrain_yaml`` (``autotrain --config FILE``), ``read_autotrain_yaml`` and
-``from_autotrain_yaml``. A key missing from a file takes AutoTrain's default (what it would have run)."""
+``from_autotrain_yaml``. A key missing from a file takes AutoTrain's default (what it would have run).
+
+Chat data (``mapping.chat_format``) exports as ``task: llm-sft``: AutoTrain renders one column of role/content
+messages (``column_mapping.text_column``) with ``data.chat_template`` (its names: ``chatml``, ``zephyr``,
+``tokenizer`` = the model's own, nbtrain's ``"auto"``) and trains every token of the result (TRL's SFTTrainer
+on the text): train_on="all". Other layouts and losses are named in the notes.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +21,15 @@ from .mapping import (
     DATA_EXTS,
     NBTRAIN_ONLY,
     Reader,
+    chat_format,
+    column,
     flatten,
     hf_scheduler,
     non_default_notes,
     number,
     optimizer_in,
+    plain_text_chat_notes,
+    sample_notes,
     scheduler_in,
     targets_in,
     targets_out,
@@ -33,8 +43,11 @@ AUTOTRAIN_FIELDS = (
     "model", "task", "data", "text_column", "label_column", "image_column", "max_seq_len", "precision", "micro_batch_size",
     "grad_accum_steps", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
     "gradient_checkpointing", "lr", "weight_decay", "scheduler", "warmup_steps", "epochs", "max_grad_norm",
-    "log_every", "seed", "output_dir",
+    "log_every", "seed", "output_dir", "data_format", "columns", "chat_template", "train_on",
 )
+# AutoTrain's data.chat_template values (None: plain text) and nbtrain's names for them
+AT_CHAT_TEMPLATES = {"chatml": "chatml", "tokenizer": "auto"}
+AT_ALL_TEMPLATES = ("chatml", "zephyr", "tokenizer")
 # AutoTrain's LLMTrainingParams / TextClassificationParams defaults (what it runs when a key is absent)
 _AT_LLM_DEFAULTS = {
     "params.lr": 3e-5, "params.epochs": 1, "params.batch_size": 2, "params.warmup_ratio": 0.1,
@@ -143,6 +156,12 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
         "has no AutoTrain key"))
     notes.update(non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no AutoTrain key "
                                                        "(the same training without it)"))
+    notes.update(sample_notes(cfg, "AutoTrain"))
+    fmt = chat_format(cfg) if llm else None
+    if fmt:
+        notes.update(_sft_notes(cfg, fmt))
+    elif llm:
+        notes.update(plain_text_chat_notes(cfg, "task llm"))
 
     if image:
         path, split = _split_local_folder(cfg.data)
@@ -152,12 +171,13 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
                    {"image_column": cfg.image_column, "target_column": cfg.label_column})
     else:
         path, split = _split_local_file(cfg.data)
-        columns = {"text_column": cfg.text_column}
+        # llm-sft: the column of messages the chat template renders
+        columns = {"text_column": _messages_column(cfg, fmt) if fmt else cfg.text_column}
     if not llm and not image:
         columns["target_column"] = cfg.label_column
     data: dict[str, Any] = {"path": path, "train_split": split, "valid_split": None}
-    if llm:
-        data["chat_template"] = None   # plain text, as nbtrain reads it
+    if llm:   # None: plain text, as nbtrain reads it
+        data["chat_template"] = ("chatml" if cfg.chat_template == "chatml" else "tokenizer") if fmt else None
     data["column_mapping"] = columns
     if cfg.max_steps is not None:
         epochs = math.ceil(cfg.epochs) if cfg.epochs else 1
@@ -181,10 +201,36 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
             target_modules=targets_out(cfg.lora_targets, "all-linear"), merge_adapter=False,
             lora_r=cfg.lora_r, lora_alpha=int(round(cfg.lora_alpha)), lora_dropout=cfg.lora_dropout,
             disable_gradient_checkpointing=not cfg.gradient_checkpointing)
-    at_task = "llm" if llm else "image_classification" if image else "text_multi_class_classification"
+    at_task = ("llm-sft" if fmt else "llm") if llm else "image_classification" if image else \
+        "text_multi_class_classification"
     doc = {"task": at_task, "base_model": cfg.model,
            "project_name": name, "log": "none", "backend": "local", "data": data, "params": params}
     return doc, notes
+
+
+def _messages_column(cfg: TrainConfig, fmt: str) -> str:
+    main = {"messages": "messages", "sharegpt": "conversations", "alpaca": "instruction", "prompt-completion": "prompt"}
+    return column(cfg, main[fmt])
+
+
+def _sft_notes(cfg: TrainConfig, fmt: str) -> dict[str, str]:
+    notes: dict[str, str] = {}
+    if fmt != "messages":
+        notes["data_format"] = (f"data_format={cfg.data_format!r}: AutoTrain's llm-sft reads one column of role/content "
+                                f"messages; convert the {fmt} rows to a 'messages' column (text_column names "
+                                f"{_messages_column(cfg, fmt)!r} meanwhile)")
+    extra = sorted(set(cfg.columns) - {"messages"}) if fmt == "messages" else []
+    if extra:
+        notes["columns"] = f"columns {extra}: AutoTrain maps only the messages column (text_column)"
+    if cfg.chat_template not in ("auto", "chatml"):
+        name = "a Jinja string" if cfg.chat_template not in ("llama3", "alpaca") else repr(cfg.chat_template)
+        notes["chat_template"] = (f"chat_template {name} has no AutoTrain name (None, chatml, zephyr, tokenizer): "
+                                  "exported as tokenizer, the model's own template; set the tokenizer's "
+                                  "chat_template to it where the model's differs")
+    if cfg.train_on != "all":
+        notes["train_on"] = (f"train_on={cfg.train_on!r}: AutoTrain's llm-sft trains every token of the rendered "
+                             "chat, prompts too (train_on='all')")
+    return notes
 
 
 def to_autotrain_yaml(cfg: TrainConfig, path=None) -> str:
@@ -261,11 +307,20 @@ def _read_autotrain(path, overrides):
             r.why["data.train_split"] = "nbtrain reads a dataset's 'train' split (or a local image folder)"
     else:
         kw["data"] = _at_data(r, str(data_path), split)
-    for key in ("data.valid_split", "data.chat_template"):
-        if r.has(key) and _none(r.doc[key]):
-            r.drop(key)
+    if r.has("data.valid_split") and _none(r.doc["data.valid_split"]):
+        r.drop("data.valid_split")
+    template = r.doc.pop("data.chat_template", None)
+    chat = llm and not _none(template)
+    if chat:
+        _at_template_in(r, str(template))
     if image:
         kw["image_column"] = str(r.take("data.column_mapping.image_column"))
+    elif chat:   # the column holds the messages the template renders
+        kw["data_format"] = "messages"
+        col = str(r.take("data.column_mapping.text_column"))
+        if col != "messages":
+            kw["columns"] = {"messages": col}
+        kw["train_on"] = "all"   # AutoTrain trains every token of the rendered chat
     else:
         kw["text_column"] = str(r.take("data.column_mapping.text_column"))
     if not llm:
@@ -334,6 +389,14 @@ def _read_autotrain(path, overrides):
     else:
         kw["method"] = "full"
     return r.finish(overrides)
+
+
+def _at_template_in(r: Reader, name: str) -> None:
+    if name in AT_CHAT_TEMPLATES:
+        r.kw["chat_template"] = AT_CHAT_TEMPLATES[name]
+    else:   # zephyr, or a name AutoTrain itself would not apply: never replaced silently
+        r.hard["chat_template"] = (f"data.chat_template: {name!r} is not a template nbtrain has (AutoTrain's chatml "
+                                   "and tokenizer map to chatml and auto; or give a Jinja string)")
 
 
 def _at_data(r: Reader, path: str, split: str) -> str:

@@ -1,10 +1,22 @@
 """LLaMA-Factory: ``to_llamafactory_yaml`` (``llamafactory-cli train FILE``), ``read_llamafactory_yaml`` and
-``from_llamafactory_yaml``. A key missing from a file takes LLaMA-Factory's default (what it would have run)."""
+``from_llamafactory_yaml``. A key missing from a file takes LLaMA-Factory's default (what it would have run).
+
+Plain text exports as ``stage: pt``; instruction / chat data (``mapping.chat_format``: a named data_format, or
+``"auto"`` on nbtrain's builtin chat set) as ``stage: sft`` with ``template`` (chatml, llama3 and alpaca are
+LLaMA-Factory's names too; ``"auto"`` leaves it unset, so LLaMA-Factory parses the tokenizer's own template, as
+nbtrain does), ``train_on_prompt`` (train_on="all"), ``mask_history`` (train_on="last") and ``neat_packing``
+with packing (packed examples do not attend to each other). The dataset is a name in ``dataset_dir``'s
+``dataset_info.json``: ``llamafactory_dataset_info(cfg)`` is its entry (``formatting``, ``columns`` and, for
+sharegpt / messages rows, ``tags``), and ``to_llamafactory_yaml(cfg, path)`` writes it into
+``dataset_info.json`` beside the YAML (merged into one already there). The importer reads all of it back.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -12,15 +24,22 @@ from typing import Any, Optional
 from ...config import ConfigError, TrainConfig, load_yaml_mapping
 from ...hardware import resolve_precision
 from .mapping import (
+    DATA_EXTS,
+    FORMAT_COLUMNS,
     NBTRAIN_ONLY,
     Reader,
+    chat_format,
+    column,
     hf_scheduler,
     intlike,
     non_default_notes,
     optimizer_in,
+    plain_text_chat_notes,
+    sample_notes,
     scheduler_in,
     targets_in,
     targets_out,
+    unknown_columns_note,
     write_text,
     yaml_text,
 )
@@ -32,7 +51,11 @@ LLAMAFACTORY_FIELDS = (
     "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits", "gradient_checkpointing",
     "lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm", "packing",
     "eval_fraction", "eval_every", "log_every", "seed", "output_dir", "save_every",
+    "data_format", "columns", "chat_template", "train_on",
 )
+# nbtrain's template names that are LLaMA-Factory's too (the same prompt layout)
+LF_TEMPLATES = ("chatml", "llama3", "alpaca")
+DATASET_INFO = "dataset_info.json"
 # LLaMA-Factory's and transformers' defaults for the keys nbtrain reads (what the tool runs when a key is absent)
 _LF_DEFAULTS = dict(
     stage="sft", finetuning_type="lora", lora_rank=8, lora_alpha=None, lora_dropout=0.0, lora_target="all",
@@ -41,16 +64,99 @@ _LF_DEFAULTS = dict(
     lr_scheduler_type="linear", warmup_steps=0, num_train_epochs=3.0, max_steps=-1, max_grad_norm=1.0,
     weight_decay=0.0, seed=42, logging_steps=500, val_size=0.0, eval_strategy="no", save_strategy="steps",
     save_steps=500, output_dir="trainer_output", disable_gradient_checkpointing=False,
+    train_on_prompt=False, mask_history=False, neat_packing=False,
 )
 
 
-def llamafactory_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
-    """``(the LLaMA-Factory YAML as a flat dict, notes)``; notes name the fields it cannot carry."""
-    sections, notes = _llamafactory_sections(cfg)
+def llamafactory_config(cfg: TrainConfig, dataset_dir: Optional[str] = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(the LLaMA-Factory YAML as a flat dict, notes)``; notes name the fields it cannot carry.
+
+    For chat data, ``dataset_dir`` is the folder whose ``dataset_info.json`` holds the dataset's entry
+    (default: a local file's own folder, else LLaMA-Factory's ``data``)."""
+    sections, notes = _llamafactory_sections(cfg, dataset_dir)
     return {k: v for body in sections.values() for k, v in body.items()}, notes
 
 
-def _llamafactory_sections(cfg: TrainConfig) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+def _local_data(data: str) -> bool:
+    # a config is portable: a file is known by its extension (it need not exist on this machine)
+    return not data.startswith("builtin:") and (Path(data).suffix.lower() in DATA_EXTS or Path(data).is_dir())
+
+
+def _default_dataset_dir(cfg: TrainConfig) -> str:
+    return str(Path(cfg.data).parent) if _local_data(cfg.data) else "data"
+
+
+def _dataset_name(data: str) -> str:
+    # LLaMA-Factory names datasets in dataset_info.json; a file's stem, or the Hub id, with safe characters
+    base = Path(data).stem if _local_data(data) else data.replace("builtin:", "")
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", base).strip("_") or "nbtrain_data"
+
+
+def llamafactory_dataset_info(cfg: TrainConfig, dataset_dir: Optional[str] = None) -> dict[str, Any]:
+    """``{dataset name: entry}`` for LLaMA-Factory's ``dataset_info.json`` (chat data only; plain text exports
+    as stage pt and needs no formatting).
+
+    The entry names the file (``file_name``, relative to ``dataset_dir`` unless cfg.data is absolute) or the
+    Hub id (``hf_hub_url``); ``formatting`` is ``alpaca`` for alpaca and prompt-completion rows (``query: null``:
+    no input column) and ``sharegpt`` for sharegpt and messages rows, whose ``tags`` say which keys and roles a
+    message has (messages: role / content / user / assistant / system). ``columns`` follow cfg.columns;
+    the optional alpaca ``system`` and ``history`` columns are written only when cfg.columns names them (a
+    name LLaMA-Factory is given must exist in the file)."""
+    fmt = chat_format(cfg)
+    if fmt is None:
+        raise ConfigError(f"data_format: {cfg.data_format!r} on {cfg.data!r} exports as plain text (stage pt), which "
+                          "needs no dataset_info formatting; name the format of instruction data", field="data_format")
+    ddir = dataset_dir if dataset_dir is not None else _default_dataset_dir(cfg)
+    entry: dict[str, Any] = {}
+    if _local_data(cfg.data):
+        entry["file_name"] = cfg.data if os.path.isabs(cfg.data) else os.path.relpath(cfg.data, ddir)
+    elif cfg.data.startswith("builtin:"):
+        entry["file_name"] = f"{_dataset_name(cfg.data)}.jsonl"   # where the builtin's rows are to be written
+    else:
+        entry["hf_hub_url"] = cfg.data
+    if fmt in ("alpaca", "prompt-completion"):
+        entry["formatting"] = "alpaca"
+        if fmt == "alpaca":
+            cols = {"prompt": column(cfg, "instruction"), "query": column(cfg, "input"),
+                    "response": column(cfg, "output")}
+            for opt in ("system", "history"):
+                if opt in cfg.columns:
+                    cols[opt] = cfg.columns[opt]
+        else:
+            cols = {"prompt": column(cfg, "prompt"), "query": None, "response": column(cfg, "completion")}
+        entry["columns"] = cols
+    else:
+        entry["formatting"] = "sharegpt"
+        if fmt == "sharegpt":
+            cols = {"messages": column(cfg, "conversations")}
+            if "system" in cfg.columns:
+                cols["system"] = cfg.columns["system"]
+            tags = dict(role_tag=column(cfg, "from"), content_tag=column(cfg, "value"), user_tag="human",
+                        assistant_tag="gpt", system_tag="system")
+        else:
+            cols = {"messages": column(cfg, "messages")}
+            tags = dict(role_tag=column(cfg, "role"), content_tag=column(cfg, "content"), user_tag="user",
+                        assistant_tag="assistant", system_tag="system")
+        entry["columns"], entry["tags"] = cols, tags
+    return {_dataset_name(cfg.data): entry}
+
+
+def _sft_notes(cfg: TrainConfig, fmt: str) -> dict[str, str]:
+    notes = unknown_columns_note(cfg, fmt)
+    if cfg.chat_template == "auto":
+        # keyed "template" (no field): "auto" reads back as "auto", so the round trip still checks chat_template
+        notes["template"] = ("chat_template='auto': template is left unset, so LLaMA-Factory parses the tokenizer's "
+                             "own chat template (as nbtrain does); set it to the model's LLaMA-Factory template "
+                             "(e.g. qwen, llama3) where the model has one")
+    elif cfg.chat_template not in LF_TEMPLATES:
+        notes["chat_template"] = ("chat_template is a Jinja string, which has no LLaMA-Factory template name: put it "
+                                  "in the tokenizer's chat_template (tokenizer_config.json) and leave template unset "
+                                  "(LLaMA-Factory then parses it); it reads back as 'auto'")
+    return notes
+
+
+def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
+                           ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     if cfg.task != "causal-lm":
         raise ConfigError(f"task: LLaMA-Factory has no {cfg.task!r} stage (its stages are pt, sft, rm, ppo, "
                           "dpo, kto); only task='causal-lm' exports", field="task")
@@ -60,8 +166,11 @@ def _llamafactory_sections(cfg: TrainConfig) -> tuple[dict[str, dict[str, Any]],
         notes["precision"] = f"precision='auto' resolved to {precision!r} on this machine"
     if cfg.method != "qlora" and cfg.quant_bits != 4:
         notes["quant_bits"] = f"quant_bits={cfg.quant_bits} is only written for method='qlora'"
+    fmt = chat_format(cfg)
     if cfg.data.startswith("builtin:"):
-        notes["data"] = (f"{cfg.data!r} is an nbtrain builtin: write its texts to a file and register that "
+        notes["data"] = (f"{cfg.data!r} is an nbtrain builtin: write its rows ({fmt} format) as JSON lines to the "
+                         "dataset_info entry's file_name" if fmt else
+                         f"{cfg.data!r} is an nbtrain builtin: write its texts to a file and register that "
                          "file under this dataset name")
     if cfg.output_dir is None:
         notes["output_dir"] = "output_dir=None: written as 'runs/llamafactory' (LLaMA-Factory needs one)"
@@ -69,6 +178,8 @@ def _llamafactory_sections(cfg: TrainConfig) -> tuple[dict[str, dict[str, Any]],
                                     "has no LLaMA-Factory key"))
     notes.update(non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no LLaMA-Factory "
                                                        "key (the same training without it)"))
+    notes.update(sample_notes(cfg, "LLaMA-Factory"))
+    notes.update(_sft_notes(cfg, fmt) if fmt else plain_text_chat_notes(cfg, "stage pt"))
     model = {"model_name_or_path": cfg.model}
     if cfg.method == "qlora":
         model.update(quantization_bit=cfg.quant_bits, quantization_method="bitsandbytes")
@@ -76,14 +187,25 @@ def _llamafactory_sections(cfg: TrainConfig) -> tuple[dict[str, dict[str, Any]],
             model.update(quantization_type="nf4", double_quantization=True)   # nbtrain's nf4 + double quant
     # LLaMA-Factory checkpoints by default; nbtrain only when asked
     model["disable_gradient_checkpointing"] = not cfg.gradient_checkpointing
-    method = dict(stage="pt",   # nbtrain's causal-lm is plain language modelling on every token
-                  do_train=True, finetuning_type="full" if cfg.method == "full" else "lora",
+    # plain text: language modelling on every token (pt); chat data: supervised on the answers (sft)
+    method = dict(stage="sft" if fmt else "pt", do_train=True,
+                  finetuning_type="full" if cfg.method == "full" else "lora",
                   lora_rank=cfg.lora_r, lora_alpha=intlike(cfg.lora_alpha), lora_dropout=cfg.lora_dropout,
                   lora_target=targets_out(cfg.lora_targets, "all"))
-    dataset: dict[str, Any] = dict(dataset=cfg.data, cutoff_len=cfg.max_seq_len)
+    if fmt:
+        dataset: dict[str, Any] = dict(dataset=_dataset_name(cfg.data),
+                                       dataset_dir=dataset_dir if dataset_dir is not None else _default_dataset_dir(cfg))
+        if cfg.chat_template in LF_TEMPLATES:
+            dataset["template"] = cfg.chat_template
+        dataset.update(train_on_prompt=cfg.train_on == "all", mask_history=cfg.train_on == "last")
+    else:
+        dataset = dict(dataset=cfg.data)
+    dataset["cutoff_len"] = cfg.max_seq_len
     if cfg.subset is not None:
         dataset["max_samples"] = cfg.subset
     dataset["packing"] = cfg.packing   # explicit: stage pt packs by default
+    if fmt and cfg.packing:
+        dataset["neat_packing"] = True   # as nbtrain packs chat examples: none attends to another
     dataset["val_size"] = cfg.eval_fraction
     output: dict[str, Any] = dict(output_dir=cfg.output_dir or "runs/llamafactory", logging_steps=cfg.log_every)
     if cfg.save_every:
@@ -111,12 +233,43 @@ def _llamafactory_sections(cfg: TrainConfig) -> tuple[dict[str, dict[str, Any]],
 
 
 def to_llamafactory_yaml(cfg: TrainConfig, path=None) -> str:
-    """A LLaMA-Factory training YAML (``llamafactory-cli train FILE``); written to ``path`` when given."""
-    sections, notes = _llamafactory_sections(cfg)
-    info = ('"%s": {"file_name": "<your file>", "columns": {"prompt": "%s"}}' % (cfg.data, cfg.text_column))
-    header = ["LLaMA-Factory config exported by nbtrain; run: llamafactory-cli train <this file>",
-              f"the dataset must be registered in data/dataset_info.json, e.g. {info}"]
-    return write_text(yaml_text(list(sections.items()), header, notes), path)
+    """A LLaMA-Factory training YAML (``llamafactory-cli train FILE``); written to ``path`` when given.
+
+    For chat data written to a path, the dataset's entry (``llamafactory_dataset_info``) goes into
+    ``dataset_info.json`` beside it (merged into one already there) and ``dataset_dir`` names that folder;
+    printed, the header says where the entry goes."""
+    fmt = chat_format(cfg)
+    ddir = str(Path(path).parent) if (fmt and path is not None) else None
+    sections, notes = _llamafactory_sections(cfg, ddir)
+    header = ["LLaMA-Factory config exported by nbtrain; run: llamafactory-cli train <this file>"]
+    if fmt:
+        info = llamafactory_dataset_info(cfg, sections["dataset"]["dataset_dir"])
+        where = Path(sections["dataset"]["dataset_dir"]) / DATASET_INFO
+        header.append(f"{fmt} data: the dataset's entry in {where}" + (" (written beside this file)" if ddir is not
+                      None else "") + f": {json.dumps(info)}")
+    else:
+        info = ('"%s": {"file_name": "<your file>", "columns": {"prompt": "%s"}}' % (cfg.data, cfg.text_column))
+        header.append(f"the dataset must be registered in data/dataset_info.json, e.g. {info}")
+        if cfg.data_format == "auto" and not cfg.data.startswith("builtin:"):
+            header.append("data_format='auto' exports as plain text (stage pt): set data_format to export "
+                          "instruction data as stage sft")
+    text = yaml_text(list(sections.items()), header, notes)
+    if ddir is not None:
+        _merge_dataset_info(Path(ddir) / DATASET_INFO, info)
+    return write_text(text, path)
+
+
+def _merge_dataset_info(file: Path, entries: dict[str, Any]) -> None:
+    # LLaMA-Factory's data folder holds one dataset_info.json for all its datasets: add ours, keep the rest
+    try:
+        current = json.loads(file.read_text()) if file.is_file() else {}
+    except ValueError:
+        raise ConfigError(f"{file}: not valid JSON; fix or remove it before exporting here") from None
+    if not isinstance(current, dict):
+        raise ConfigError(f"{file}: expected a mapping of dataset names")
+    current.update(entries)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(current, indent=2) + "\n")
 
 
 def read_llamafactory_yaml(path, **overrides: Any) -> tuple[TrainConfig, dict[str, Any]]:
@@ -144,10 +297,11 @@ def _read_llamafactory(path, overrides):
 
     stage = r.take("stage")
     kw["task"] = "causal-lm"
-    if stage == "sft":   # sft with a template masks the prompt; nbtrain learns every token of plain text
-        r.unmapped["stage"], r.why["stage"] = stage, "imported as plain causal-lm: nbtrain does not mask prompts"
-    elif stage != "pt":
-        r.hard["task"] = f"stage: {stage!r} has no nbtrain equivalent (nbtrain runs pt, plain causal-lm)"
+    if stage not in ("pt", "sft"):
+        r.hard["task"] = (f"stage: {stage!r} has no nbtrain equivalent (nbtrain runs pt, plain causal-lm, and sft, "
+                          "instruction data with the loss on the answers)")
+    if stage == "sft":
+        _sft_in(r)
     if r.has("do_train"):
         if r.doc["do_train"] is True:
             r.drop("do_train")
@@ -191,13 +345,17 @@ def _read_llamafactory(path, overrides):
     elif "," in str(dataset):
         r.hard["data"] = f"dataset: {dataset!r} names several datasets; nbtrain trains on one"
     else:
-        kw["data"] = _lf_dataset(r, str(dataset))
+        kw["data"] = _lf_dataset(r, str(dataset), stage == "sft")
     kw["max_seq_len"] = r.take("cutoff_len", int)
     kw["subset"] = r.take("max_samples", int)
     packing = r.take("packing")
     kw["packing"] = bool(packing) if packing is not None else stage == "pt"   # LLaMA-Factory packs pt by default
-    if r.has("neat_packing") and not r.doc["neat_packing"]:
-        r.drop("neat_packing")
+    if r.has("neat_packing"):
+        if r.doc["neat_packing"] and stage == "sft":   # sft packing without cross-attention: nbtrain's chat packing
+            kw["packing"] = True
+            r.drop("neat_packing")
+        elif not r.doc["neat_packing"]:
+            r.drop("neat_packing")
     val = r.take("val_size", float)
     if val >= 1:
         r.reject("val_size", val, "a count of examples; nbtrain's eval_fraction is a share below 1")
@@ -260,25 +418,95 @@ def _read_llamafactory(path, overrides):
     return r.finish(overrides)
 
 
-def _lf_dataset(r: Reader, name: str) -> str:
-    """A name in ``dataset_dir/dataset_info.json`` becomes its file or Hub id (and text column), else as-is."""
+def _sft_in(r: Reader) -> None:
+    """template / train_on_prompt / mask_history of stage sft as chat_template and train_on."""
+    kw = r.kw
+    kw["data_format"] = "auto"   # unless dataset_info.json says (see _lf_format)
+    if r.has("template") and r.doc["template"] is not None:
+        name = str(r.take("template"))
+        if name.lower() in LF_TEMPLATES:
+            kw["chat_template"] = name.lower()
+        else:
+            # never replaced silently: the tokenizer's own template ("auto") may or may not be the same layout
+            r.hard["chat_template"] = (f"template: {name!r} is not a template nbtrain has ({', '.join(LF_TEMPLATES)}; "
+                                       "chat_template='auto' is the tokenizer's own, as LLaMA-Factory with no "
+                                       "template; or a Jinja string)")
+    else:
+        r.drop("template")
+        kw["chat_template"] = "auto"   # LLaMA-Factory without a template parses the tokenizer's
+    prompt, history = bool(r.take("train_on_prompt")), bool(r.take("mask_history"))
+    if prompt and history:   # LLaMA-Factory refuses the pair too
+        r.hard["train_on"] = "train_on_prompt and mask_history are both true (LLaMA-Factory refuses the pair)"
+    kw["train_on"] = "all" if prompt else "last" if history else "completion"
+
+
+def _lf_dataset(r: Reader, name: str, sft: bool = False) -> str:
+    """A name in ``dataset_dir/dataset_info.json`` becomes its file or Hub id (and text column, or for sft its
+    format and columns), else as-is."""
     ddir = r.take("dataset_dir")
     if ddir is None:
         return name
-    info_file = Path(str(ddir)) / "dataset_info.json"
+    info_file = Path(str(ddir)) / DATASET_INFO
     try:
         entry = json.loads(info_file.read_text()).get(name)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         entry = None
     if not isinstance(entry, dict):
         r.unmapped["dataset_dir"], r.why["dataset_dir"] = ddir, f"{name!r} is not in {info_file}"
         return name
-    prompt = (entry.get("columns") or {}).get("prompt")
-    if prompt:
-        r.kw["text_column"] = prompt
+    if sft:
+        _lf_format(r, name, entry)
+    else:
+        prompt = (entry.get("columns") or {}).get("prompt")
+        if prompt:
+            r.kw["text_column"] = prompt
     if entry.get("file_name"):
-        return str(Path(str(ddir)) / entry["file_name"])
+        # normpath: a file_name relative to dataset_dir ("../data/x.jsonl") reads back as the path it names
+        return os.path.normpath(Path(str(ddir)) / entry["file_name"])
     return str(entry.get("hf_hub_url") or name)
+
+
+def _lf_format(r: Reader, name: str, entry: dict) -> None:
+    """A dataset_info entry's formatting / columns / tags as data_format and columns."""
+    where = f"dataset_info[{name!r}]"
+    formatting = str(entry.get("formatting", "alpaca"))
+    cols = entry.get("columns") or {}
+    tags = entry.get("tags") or {}
+    if formatting == "alpaca":
+        if "query" in cols and cols["query"] is None and not cols.get("system") and not cols.get("history"):
+            fmt = "prompt-completion"   # alpaca without an input column: how prompt-completion rows export
+            names = {"prompt": cols.get("prompt", "instruction"), "completion": cols.get("response", "output")}
+        else:
+            fmt = "alpaca"
+            names = {"instruction": cols.get("prompt", "instruction"), "input": cols.get("query", "input"),
+                     "output": cols.get("response", "output"), "system": cols.get("system"),
+                     "history": cols.get("history")}
+    elif formatting in ("sharegpt", "openai"):   # openai: sharegpt's converter with the same tags
+        user, assistant = tags.get("user_tag", "human"), tags.get("assistant_tag", "gpt")
+        role, content = tags.get("role_tag", "from"), tags.get("content_tag", "value")
+        if (user, assistant) == ("user", "assistant"):
+            fmt = "messages"
+            names = {"messages": cols.get("messages", "conversations"), "role": role, "content": content}
+        elif (user, assistant) == ("human", "gpt"):
+            fmt = "sharegpt"
+            names = {"conversations": cols.get("messages", "conversations"), "from": role, "value": content,
+                     "system": cols.get("system")}
+        else:
+            r.unmapped[f"{where}.tags"] = tags
+            r.why[f"{where}.tags"] = ("roles %r / %r: nbtrain's sharegpt reads human / gpt, messages user / "
+                                      "assistant; data_format left 'auto'" % (user, assistant))
+            return
+        other = {k: v for k, v in tags.items() if k in ("system_tag",) and v != "system"}
+        if other:
+            r.unmapped[f"{where}.tags"], r.why[f"{where}.tags"] = other, "nbtrain's system role is 'system'"
+    else:
+        r.unmapped[f"{where}.formatting"] = formatting
+        r.why[f"{where}.formatting"] = "nbtrain reads alpaca and sharegpt formatting; data_format left 'auto'"
+        return
+    r.kw["data_format"] = fmt
+    columns = {k: v for k, v in names.items() if v and v != k}
+    if columns:
+        r.kw["columns"] = columns
 
 
 def _warmup_steps(r: Reader, max_steps: Optional[int]) -> int:

@@ -176,3 +176,65 @@ def targets_in(value, all_names: tuple[str, ...]):
     return [t.strip() for t in str(value).split(",") if t.strip()]
 
 
+
+
+# -- instruction / chat data -------------------------------------------------------------------------------
+CHAT_FORMATS = ("alpaca", "sharegpt", "messages", "prompt-completion")
+# nbtrain's builtin instruction sets and their layout: under data_format="auto" they are chat data
+CHAT_BUILTINS = {"builtin:python-docs-qa": "messages"}
+# each format's own column names (cfg.columns maps them to the data's); the keys inside one chat message are
+# also remappable: "from"/"value" (sharegpt) and "role"/"content" (messages)
+FORMAT_COLUMNS = {
+    "alpaca": ("instruction", "input", "output", "system", "history"),
+    "sharegpt": ("conversations", "system", "from", "value"),
+    "messages": ("messages", "role", "content"),
+    "prompt-completion": ("prompt", "completion"),
+}
+# nbtrain's readable samples while training: no other tool has them
+SAMPLE_FIELDS = ("sample_prompts", "sample_every", "max_new_tokens")
+CHAT_FIELDS = ("chat_template", "train_on", "columns")
+
+
+def chat_format(cfg: TrainConfig) -> Optional[str]:
+    """The instruction / chat format an export writes for ``cfg``, or None for plain text.
+
+    The rule: a named format (alpaca, sharegpt, messages, prompt-completion) is chat data; ``"text"`` is plain
+    text; ``"auto"`` is chat only for nbtrain's builtin chat sets (``builtin:python-docs-qa``: messages). A file
+    or dataset id under ``"auto"`` exports as plain text: nbtrain reads its format from the columns when it
+    loads, and an export does not load data (a config exports anywhere), so name the format to export it as
+    instruction data."""
+    if cfg.data_format in CHAT_FORMATS:
+        return cfg.data_format
+    if cfg.data_format == "auto":
+        return CHAT_BUILTINS.get(cfg.data)
+    return None
+
+
+def column(cfg: TrainConfig, name: str) -> str:
+    """The data's column (or message key) for the format's ``name``."""
+    return cfg.columns.get(name, name)
+
+
+def plain_text_chat_notes(cfg: TrainConfig, how: str) -> dict[str, str]:
+    """Notes for chat settings of a config that exports as plain text (they change nothing there)."""
+    why = ("only applies to chat data; data_format=%r exports as plain text (%s)" % (cfg.data_format, how)
+           + (": name the data's format to export it as instruction data" if cfg.data_format == "auto" else ""))
+    out = non_default_notes(cfg, CHAT_FIELDS, why)
+    if cfg.data_format == "text":
+        out["data_format"] = f"data_format='text' is written as {how}, which reads back as data_format='auto'"
+    return out
+
+
+def unknown_columns_note(cfg: TrainConfig, fmt: str) -> dict[str, str]:
+    """A note for cfg.columns keys that are not the format's own names (they would be dropped)."""
+    extra = sorted(set(cfg.columns) - set(FORMAT_COLUMNS[fmt]))
+    if not extra:
+        return {}
+    return {"columns": f"columns {extra} are not {fmt} column names ({', '.join(FORMAT_COLUMNS[fmt])}) and are "
+                       "not written"}
+
+
+def sample_notes(cfg: TrainConfig, tool: str) -> dict[str, str]:
+    """Notes naming nbtrain's sample settings (prompts answered while training), which no tool has."""
+    return non_default_notes(cfg, SAMPLE_FIELDS, f"has no {tool} equivalent (nbtrain's readable samples while "
+                                                 "training); not exported")
