@@ -179,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="write the config for transformers, LLaMA-Factory, AutoTrain or accelerate")
     with_config(x)
-    x.add_argument("--to", required=True, choices=["training-args", "llamafactory", "autotrain", "accelerate-config"],
-                   help="training-args: JSON of TrainingArguments keywords (+ peft/bitsandbytes configs); the "
-                        "others: YAML for that tool")
+    x.add_argument("--to", required=True,
+                   choices=["training-args", "trl-sft", "llamafactory", "autotrain", "accelerate-config"],
+                   help="training-args: JSON of TrainingArguments keywords (+ peft/bitsandbytes configs); trl-sft: "
+                        "JSON of trl.SFTConfig keywords (+ peft/bitsandbytes configs, notes); the others: YAML for "
+                        "that tool")
     x.add_argument("--out", default=None, help="write here instead of printing")
     x.set_defaults(fn=cmd_export)
 

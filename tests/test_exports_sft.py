@@ -257,3 +257,13 @@ def test_notes_name_the_sample_fields(tmp_path, fmt):
     # a config without samples has no such notes
     plain = _chat(tmp_path, fmt)
     assert not set(ex.SAMPLE_FIELDS) & set(ex.llamafactory_config(plain)[1])
+
+
+def test_cli_exports_trl_sft(tmp_path, capsys):
+    from nbtrain.cli import main
+
+    cfg_path = tmp_path / "cfg.yaml"
+    nbt.TrainConfig(data="builtin:python-docs-qa", data_format="messages", train_on="completion").to_yaml(cfg_path)
+    assert main(["export", str(cfg_path), "--to", "trl-sft"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.dumps(out).count("assistant_only_loss") >= 1
