@@ -13,6 +13,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,16 +58,17 @@ class MicroBatch:
                           indices=self.indices,
                           position_ids=None if self.position_ids is None else self.position_ids.pin_memory())
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """``input_ids``, ``attention_mask`` and ``labels`` as keyword arguments for a HF model."""
+    def model_inputs(self) -> dict[str, Any]:
+        """``forward_inputs()`` and ``labels`` as keyword arguments for a HF model."""
         return {**self.forward_inputs(), "labels": self.labels}
 
-    def forward_inputs(self) -> dict[str, torch.Tensor]:
+    def forward_inputs(self) -> dict[str, Any]:
         """What the forward takes (no labels: the loop computes the loss itself). Packed examples pass their
         ``position_ids`` and no padding mask: transformers then masks attention between the examples (each run of
         positions is its own block), and padding, its own run at the end, is seen by no real token."""
         if self.position_ids is not None:
-            return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+            # use_cache=False: transformers reads packing from position_ids only when no KV cache is being built
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
 
 

@@ -27,10 +27,12 @@ LLAMA3 = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ mes
           "{{ message['content'] }}<|eot_id|>{% endfor %}"
           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 # Stanford Alpaca's prompt. The "### Response:" header ends every user turn, so the generation prompt is built in;
-# an answer ends with the tokenizer's EOS token, which is what teaches the model to stop.
+# an answer ends with the tokenizer's EOS token, which is what teaches the model to stop. The blank line between an
+# answer and the next instruction belongs to the instruction, so an answer's tokens are its content and EOS only.
 ALPACA = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
-          "{% elif message['role'] == 'user' %}### Instruction:\n{{ message['content'] }}\n\n### Response:\n"
-          "{% else %}{{ message['content'] }}{{ eos_token }}\n\n{% endif %}{% endfor %}")
+          "{% elif message['role'] == 'user' %}{% if not loop.first and messages[loop.index0 - 1]['role'] == "
+          "'assistant' %}\n\n{% endif %}### Instruction:\n{{ message['content'] }}\n\n### Response:\n"
+          "{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 
 TEMPLATES: dict[str, str] = {"chatml": CHATML, "llama3": LLAMA3, "alpaca": ALPACA}
 # the special tokens each built-in template writes, which a tokenizer must have as single tokens
