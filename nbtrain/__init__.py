@@ -12,8 +12,8 @@ from . import _logs  # noqa: F401  (first: it quiets library log lines before an
 import transformers as _transformers  # noqa: F401
 
 from .config import ConfigError, TrainConfig
-from .engine import (CallbackError, CheckpointError, EvalRecord, Finding, Run, RunInfo, StepRecord, StopTraining,
-                     TrainResult, scan_fp16_overflow, start, train)
+from .engine import (CallbackError, CheckpointError, EvalRecord, Finding, Run, RunInfo, SampleRecord, StepRecord,
+                     StopTraining, TrainResult, scan_fp16_overflow, start, train)
 from .compare import ComparisonResult, compare
 from .hardware import Capabilities, capabilities
 
@@ -28,7 +28,7 @@ _LAZY = {
 }
 
 __all__ = ["TrainConfig", "ConfigError", "train", "start", "Run", "TrainResult", "StepRecord", "EvalRecord",
-           "RunInfo", "StopTraining", "CallbackError", "CheckpointError", "Finding", "scan_fp16_overflow", "capabilities", "Capabilities", "compare", "ComparisonResult", *_LAZY]
+           "SampleRecord", "RunInfo", "StopTraining", "CallbackError", "CheckpointError", "Finding", "scan_fp16_overflow", "capabilities", "Capabilities", "compare", "ComparisonResult", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -281,14 +281,24 @@ class ComparisonViews:
                 + (f"<ul style='margin:4px 0;padding-left:18px;color:#666'>{general}</ul>" if general else "")
                 + f'<p class="nbt-compare-verdict" style="margin:4px 0;color:{color}">{verdict}</p></div>')
 
+    def _samples_html(self) -> str:
+        """Each variant's answers side by side (prompt rows x variant columns, the last step they all sampled);
+        "" without sample prompts."""
+        table = self.samples_table()
+        if not len(table.index):
+            return ""
+        from ..viz.text import samples_html   # pure HTML (no plotly); viz/ sits above, so imported when asked
+
+        return samples_html(table, title="answers side by side")
+
     def summary_html(self, details: bool = True) -> str:
-        """The verdict line of each variant, the compact table, the notes under it (a list per variant), the
-        fairness verdict and, with
+        """The verdict line of each variant, the compact table, the sample answers side by side (with sample
+        prompts), the notes under it (a list per variant), the fairness verdict and, with
         ``details``, every column of ``table`` behind a "details" toggle: an HTML fragment for a notebook
         output or a widget."""
         parts = [self._verdicts_html(),
                  f'<div class="nbt-compare" style="max-width:100%;overflow-x:auto">{self._compact_html()}</div>',
-                 self._notes_html()]
+                 self._samples_html(), self._notes_html()]
         if details:
             parts.append(f'<details class="nbt-compare-details"><summary style="cursor:pointer;font-size:12px">'
                          f"details: all {len(self.table.columns)} columns</summary>"
@@ -354,7 +364,8 @@ class ComparisonViews:
 
     def to_html(self, path, title: str = "nbtrain comparison") -> Path:
         """Write one self-contained HTML report (plotly.js inlined, opens offline): the compact table and its
-        notes, figures, every column of the table, config and environment."""
+        notes, the sample answers side by side, figures, every column of the table, every sample answer, config and
+        environment."""
         path = Path(path)
         fig = self.figure()
         fig_html = fig.to_html(full_html=False, include_plotlyjs=True, include_mathjax=False,
@@ -364,6 +375,12 @@ class ComparisonViews:
                            for k, v in environment().items())
         errors = "".join(f"<h3>{html.escape(n)}</h3><pre>{html.escape(t)}</pre>"
                          for n, t in self.errors.items())
+        samples = self.samples
+        all_samples = ("<h2>Sample answers</h2><p>Every variant's greedy answer to each sample prompt at each "
+                       "sampled step (their time is not in tokens/s).</p><div style='overflow-x:auto'>"
+                       + samples[["variant", "step", "prompt", "answer", "new_tokens"]].to_html(
+                           index=False, escape=True, classes=["nbt-samples-all"]) + "</div>"
+                       if len(samples) else "")
         doc = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -383,6 +400,7 @@ pre {{ background: #f6f6f6; padding: .6em; overflow-x: auto; }}
 {fig_html}
 <h2>All columns</h2>
 <div style="overflow-x:auto">{self._table_html()}</div>
+{all_samples}
 <h2>Configuration</h2>
 <p>Base config (every variant is this with its overrides; the first, {html.escape(repr(self.reference))},
 is the reference):</p>

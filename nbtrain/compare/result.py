@@ -20,6 +20,7 @@ import torch
 from .. import verdicts as _verdicts
 from ..config import TrainConfig
 from ..hardware import capabilities, default_device, resolve_precision
+from ..engine.sampling import sample_frame, side_by_side
 from .render import ComparisonViews
 
 _COMPLETE = ("max_steps", "epochs")
@@ -356,6 +357,22 @@ class ComparisonResult(ComparisonViews):
     def not_run(self) -> list[str]:
         """The variants that never started because the comparison was stopped or interrupted first."""
         return [n for n, c in self.completion.items() if c == "not_run"]
+
+    @property
+    def samples(self) -> pd.DataFrame:
+        """Every variant's sample-prompt answers (step, prompt, answer, new_tokens, seconds, variant), in run
+        order; empty (with those columns) when the comparison had no sample prompts."""
+        frames = []
+        for name, res in self.results.items():
+            df = getattr(res, "samples", None)
+            if df is not None and len(df):
+                frames.append(df.assign(variant=name))
+        return pd.concat(frames, ignore_index=True) if frames else sample_frame([])
+
+    def samples_table(self, step: Optional[int] = None) -> pd.DataFrame:
+        """Each variant's answer to each prompt side by side (prompt rows x variant columns) at ``step``, by
+        default the last step they all sampled; ``.attrs["steps"]`` says which step each column shows."""
+        return side_by_side(self.samples, step)
 
     def steps(self, variant: str) -> int:
         """How many optimizer steps ``variant`` took (0 when it did not run)."""

@@ -373,8 +373,9 @@ def _seed_list(seeds) -> tuple[int, ...]:
 
 def _unrecorded(cfg: TrainConfig, **changes) -> TrainConfig:
     """``cfg`` for a run that is not one of the comparison's results (warm-up, a repeat, a seed run): it writes
-    no outputs and reports to no tracker, so a tracker holds one run per variant."""
-    return cfg.replace(output_dir=None, report_to=[], **changes)
+    no outputs, reports to no tracker (a tracker holds one run per variant) and answers no sample prompts (no one
+    reads them; the recorded run's are the variant's)."""
+    return cfg.replace(output_dir=None, report_to=[], sample_prompts=[], **changes)
 
 
 def _seed_config(cfg: TrainConfig, seed: int) -> TrainConfig:

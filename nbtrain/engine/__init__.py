@@ -10,8 +10,8 @@ from .losses import loss_sum
 from .loop import Run, start, train
 from .prepare import RunState
 from ..precision import PRECISION_TABLE, PrecisionSpec
-from .records import STEP_FIELDS, EvalRecord, RunInfo, StepRecord
+from .records import SAMPLE_FIELDS, STEP_FIELDS, EvalRecord, RunInfo, SampleRecord, StepRecord
 
 __all__ = ["CheckpointError", "Finding", "diagnose", "scan_fp16_overflow", "Callback", "CallbackError", "StopTraining", "Run", "RunState", "RunSummary", "TrainResult", "evaluate", "loss_sum", "start",
            "train", "weights_hash", "PRECISION_TABLE", "PrecisionSpec", "STEP_FIELDS", "EvalRecord", "RunInfo",
-           "StepRecord"]
+           "SAMPLE_FIELDS", "SampleRecord", "StepRecord"]

@@ -87,7 +87,7 @@ def _forward_kwargs(model) -> tuple[str, dict]:
     where the forward takes it (the prompt's logits are never needed whole)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
-        params = inspect.signature(base.forward).parameters
+        params = inspect.signature(type(base).forward).parameters   # the class's: an instance's may be wrapped
     except (TypeError, ValueError):
         params = {}
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -161,7 +161,7 @@ class Sampler:
         self.st = st
         self.prompts = list(st.cfg.sample_prompts or [])
         self.every = st.cfg.sample_every
-        self.chat = uses_chat(st.cfg, st.data) if self.prompts else False
+        self.chat = uses_chat(st.cfg, st.data)   # for result.generate() too, with or without prompts
         self.seconds = 0.0           # all answering so far (summary["sample_s"])
         self.records: list[SampleRecord] = []
         self.last_step: Optional[int] = None
@@ -207,10 +207,10 @@ def sample_frame(records: list) -> pd.DataFrame:
     return pd.DataFrame([r.to_dict() for r in records], columns=list(SAMPLE_FIELDS))
 
 
-def side_by_side(samples: pd.DataFrame, step: Optional[int] = None) -> pd.DataFrame:
+def side_by_side(samples: pd.DataFrame, step: Optional[int] = None, own_last: bool = False) -> pd.DataFrame:
     """Prompt rows x variant columns of answers at one step: ``step``, else the last step every variant
-    sampled (each variant's own last step when they share none). ``.attrs["steps"]``: variant -> the step
-    shown."""
+    sampled (each variant's own last step when they share none, or with ``own_last``: a live view of runs that
+    are at different steps). ``.attrs["steps"]``: variant -> the step shown."""
     if samples is None or samples.empty:
         out = pd.DataFrame(index=pd.Index([], name="prompt"))
         out.attrs["steps"] = {}
@@ -220,7 +220,7 @@ def side_by_side(samples: pd.DataFrame, step: Optional[int] = None) -> pd.DataFr
     variants = list(dict.fromkeys(df["variant"]))
     if step is None:
         common = set.intersection(*(set(df.loc[df.variant == v, "step"]) for v in variants))
-        steps = {v: max(common) for v in variants} if common else \
+        steps = {v: max(common) for v in variants} if common and not own_last else \
             {v: int(df.loc[df.variant == v, "step"].max()) for v in variants}
     else:
         steps = {v: int(step) for v in variants}

@@ -12,7 +12,7 @@ _WHERE = {
     "LiveDashboard": "dashboard", "detect_mode": "dashboard",
     "static_bundle": "views",
     "status_line": "text", "summary_text": "text", "notes_html": "text", "notes_text": "text",
-    "figure_title": "text",
+    "figure_title": "text", "samples_html": "text", "samples_text": "text",
     "ProgressBar": "progress",
     "Tracker": "tracker",
     **{name: "figures" for name in (

@@ -161,6 +161,7 @@ class LiveDashboard:
             self.view = (HtmlView(self.display, static_plotlyjs) if self.mode == "html"
                          else TextView(self.display, total_steps, self.max_redraws_per_s))
         self.widget = self.view.widget
+        self.samples: list = []   # every SampleRecord received (all runs)
 
     # -- what was received --------------------------------------------------------------------
     @property
@@ -197,6 +198,19 @@ class LiveDashboard:
         """Record an evaluation (drawn with the next redraw)."""
         self.tracker.add_eval(record)
         self.view.eval(record)
+
+    def on_sample(self, record: Any) -> None:
+        """A sample prompt's answer: the block under the plots shows each run's latest answers (text mode
+        prints it)."""
+        self.samples.append(record)
+        self.view.samples(self.samples_html(), self.samples)
+
+    def samples_html(self) -> str:
+        """Each run's latest answers, prompt rows x run columns, as HTML ("" before the first answer)."""
+        from ..engine.sampling import sample_frame, side_by_side
+        from .text import samples_html
+
+        return samples_html(side_by_side(sample_frame(self.samples), own_last=True), title="latest answers")
 
     def on_run_end(self, result: Any = None) -> None:
         """Draw every point, then leave the static copy (or the printed summary) in the output."""

@@ -49,6 +49,16 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.write(f"step {rec.step}: eval_loss={rec.eval_loss:.4f}")
 
+    def write(self, text: str) -> None:
+        """Print ``text`` above the bar (or plainly when no bar is open)."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)   # the bar's stream: the lines stay above it
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def on_sample(self, rec):
+        self.write(f"step {rec.step}: {rec.prompt!r} -> {rec.answer!r}")
+
     def on_run_end(self, result):
         if self.bar is not None:
             self.bar.close()

@@ -167,3 +167,34 @@ def notes_html(result: Any) -> str:
                      + "</ul></li>")
     return ("<ul style='margin:2px 0;padding-left:18px;color:#555;font-size:0.92em'>"
             + "".join(items) + "</ul>")
+
+
+def samples_html(table: Any, title: str = "samples") -> str:
+    """The answers of a side-by-side table (``engine.sampling.side_by_side``: prompt rows x run columns) as a
+    small HTML table, each column headed by its run and step; "" when it is empty."""
+    if table is None or not len(table.columns) or not len(table.index):
+        return ""
+    steps = table.attrs.get("steps", {})
+    same = len(set(steps.values())) == 1
+    heads = "".join(f"<th style='text-align:left;padding:2px 8px'>{html.escape(str(c))}"
+                    + ("" if same or c not in steps else f" <span style='color:#777'>(step {steps[c]})</span>")
+                    + "</th>" for c in table.columns)
+    rows = []
+    for prompt, answers in table.iterrows():
+        cells = "".join("<td style='text-align:left;vertical-align:top;padding:2px 8px;white-space:pre-wrap'>"
+                        + ("<span style='color:#999'>—</span>" if not isinstance(a, str)
+                           else html.escape(a) if a else "<i style='color:#999'>(empty)</i>") + "</td>"
+                        for a in answers)
+        rows.append(f"<tr><th style='text-align:left;vertical-align:top;padding:2px 8px;font-weight:600'>"
+                    f"{html.escape(str(prompt))}</th>{cells}</tr>")
+    when = f" at step {next(iter(steps.values()))}" if same and steps else ""
+    return (f"<div class='nbt-samples' style='font-size:12px;margin:6px 0'><b>{html.escape(title)}{when}</b>"
+            f"<table style='border-collapse:collapse;margin-top:2px'><thead><tr>"
+            f"<th style='text-align:left;padding:2px 8px'>prompt</th>{heads}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def samples_text(records: list) -> str:
+    """Sample records as plain lines for a terminal: ``step N · prompt -> answer``."""
+    return "\n".join(f"step {r.step}" + (f" [{r.variant}]" if getattr(r, "variant", None) else "")
+                     + f" · {r.prompt!r} -> {r.answer!r}" for r in records)

@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from .progress import ProgressBar
-from .text import notes_html, notes_text
+from .text import notes_html, notes_text, samples_text
 
 
 def static_bundle(fig, include_plotlyjs: Any = "cdn", text: str = "") -> dict:
@@ -49,10 +49,24 @@ class _NotebookView:
         self.widget = None
         self._status_handle = None
         self._fig_handle = None
+        self._samples_handle = None
         self._live_shown = False
 
     def step(self, record: Any) -> None:
         pass
+
+    def samples(self, block: str, records: list) -> None:
+        """Show the latest answers (``block``, HTML) under the figure: a display handle of its own, made at the
+        first answer (a run without sample prompts shows nothing) and updated in place after it."""
+        if not self.display:
+            return
+        from IPython.display import display
+
+        bundle = {"text/html": block, "text/plain": samples_text(records)}
+        if self._samples_handle is None:
+            self._samples_handle = display(bundle, raw=True, display_id=True)
+        else:
+            self._samples_handle.update(bundle, raw=True)
 
     def eval(self, record: Any) -> None:
         pass
@@ -85,8 +99,13 @@ class WidgetView(_NotebookView):
 
         super().__init__(display, static_plotlyjs)
         self.status = widgets.HTML(value="<i>waiting for the first step…</i>")
-        self.widget = widgets.VBox([self.status, figure])
+        self.answers = widgets.HTML(value="")   # the latest sample answers, under the figure
+        self.widget = widgets.VBox([self.status, figure, self.answers])
         self.figure = figure
+
+    def samples(self, block: str, records: list) -> None:
+        """The latest answers in the widget, under the figure (shown with it, or wherever ``widget`` is)."""
+        self.answers.value = block
 
     # plotly's front end leaves a removed view's listeners on the FigureWidget's model (they purge the graph
     # div but stay subscribed), so once run_end has replaced the widget's output it must get no message.
@@ -95,7 +114,7 @@ class WidgetView(_NotebookView):
     def replace_figure(self, new):
         """Take ``new`` (a FigureWidget not shown yet) as the live figure; the retired one is closed."""
         old, self.figure = self.figure, new
-        self.widget.children = (self.status, new)
+        self.widget.children = (self.status, new, self.answers)
         self.retired = False
         old.close()
         return new
@@ -170,6 +189,11 @@ class TextView:
     def eval(self, record: Any) -> None:
         if self.display:
             self.bar.on_eval(record)
+
+    def samples(self, block: str, records: list) -> None:
+        """Print the newest answers (the bar keeps its line)."""
+        if self.display and records:
+            self.bar.write(samples_text(records[-1:]))
 
     def run_end(self, figure, summaries: list, current=None, title: str = "") -> None:
         self.bar.on_run_end(None)
