@@ -448,6 +448,9 @@ def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
         images = [c for c, f in features.items() if isinstance(f, datasets.Image)]
         hint = (f" It holds images (column {images[0]!r}): for those set task='image-classification'."
                 if images else "")
+        if cfg.task == CAUSAL_LM and not hint:
+            hint = (" For chat / instruction data give columns messages, conversations, instruction + output or "
+                    "prompt + completion (or map yours with columns={...} and name data_format).")
         raise DataError(f"{where}: no text column {text_col!r}; its columns are {columns}. "
                         f"Set text_column to one of them.{hint}")
     feat = features[text_col]

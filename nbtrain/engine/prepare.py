@@ -115,9 +115,10 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     with RunRng(cfg.seed, device).active():
         tokenizer = load_tokenizer(cfg)
         data = load_data(cfg, tokenizer)
-        if cfg.task == "causal-lm" and (cfg.sample_prompts or "chat_template" in data.stats):
-            # the chat template's markers as single tokens (chat data added them while tokenizing; sample prompts
-            # on plain text need them too); build_model then sizes the embeddings to len(tokenizer)
+        if cfg.task == "causal-lm" and "chat_template" in data.stats:
+            # the chat template's markers as single tokens (the loader added them before tokenizing; a second call
+            # adds nothing); build_model then sizes the embeddings to len(tokenizer). Plain text, with or without
+            # sample prompts (answered as plain text), keeps the tokenizer as it is, so its losses stay the same.
             added = ensure_chat_tokens(tokenizer, cfg) + list(data.stats.get("chat_tokens_added", []))
             if added:
                 notes.append(f"chat template {describe_template(tokenizer, cfg)}: added special tokens "
