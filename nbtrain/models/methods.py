@@ -88,11 +88,57 @@ def lora_config(cfg, model: torch.nn.Module, task: str):
     )
 
 
-def apply_lora(model: torch.nn.Module, cfg, task: str) -> torch.nn.Module:
-    """LoRA adapters on the targets; the base is frozen (the head of a classifier trains)."""
+def new_token_ids(cfg, tokenizer, model: torch.nn.Module) -> list[int]:
+    """The ids of the tokens this run added to the tokenizer (a chat template's markers,
+    ``nbtrain.data.chat.ensure_chat_tokens``): those at or past the length of a fresh tokenizer for ``cfg.model``,
+    and inside the model's embedding table. ``[]`` when none were added (plain text, or a tokenizer that already had
+    the template's tokens, as Qwen's has ChatML's)."""
+    if tokenizer is None or not hasattr(tokenizer, "__len__") or not hasattr(model, "get_input_embeddings"):
+        return []
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None)
+    if rows is None:
+        return []
+    from .loading import load_tokenizer
+
+    # The tokenizer as it loads, before the run added anything: cheap (the preset's is cached per process, a
+    # checkpoint's was just read from its directory or the cache).
+    base_len = len(load_tokenizer(cfg))
+    return list(range(base_len, min(len(tokenizer), rows)))
+
+
+def _module_name(model: torch.nn.Module, module: torch.nn.Module | None) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module), None) if module is not None else None
+
+
+def token_rows_target(model: torch.nn.Module, ids: list[int]) -> dict[str, list[int]] | None:
+    """peft's ``trainable_token_indices`` for ``ids``: the input embedding and, when it is not tied to it, the output
+    layer (a new token must be readable and writable: its input row and its output row both start untrained). A
+    tied output layer follows the embedding (peft ties the two adapters)."""
+    if not ids:
+        return None
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = {_module_name(model, emb): list(ids)}
+    tied = head is not None and getattr(head, "weight", None) is getattr(emb, "weight", None)
+    if head is not None and not tied and isinstance(head, torch.nn.Linear):
+        targets[_module_name(model, head)] = list(ids)
+    if None in targets:
+        return None
+    return targets
+
+
+def apply_lora(model: torch.nn.Module, cfg, task: str, new_ids: list[int] | None = None) -> torch.nn.Module:
+    """LoRA adapters on the targets; the base is frozen (the head of a classifier trains).
+
+    ``new_ids`` (a causal LM whose tokenizer gained tokens, see :func:`new_token_ids`): those rows of the input
+    embedding and of an untied output layer train too (peft's ``trainable_token_indices``: only those rows, as a
+    delta saved with the adapter); under plain LoRA they would stay at their initial values forever."""
     from peft import get_peft_model
 
     lcfg = lora_config(cfg, model, task)
+    if new_ids and task == CAUSAL_LM:
+        lcfg.trainable_token_indices = token_rows_target(model, new_ids)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
         # with a frozen embedding nothing before the first checkpointed block needs a gradient;
@@ -100,6 +146,25 @@ def apply_lora(model: torch.nn.Module, cfg, task: str) -> torch.nn.Module:
         model.enable_input_require_grads()
     with quiet_peft():
         return get_peft_model(model, lcfg)
+
+
+def method_notes(model: torch.nn.Module) -> list[str]:
+    """What the method did that a user should read in the run notes: the new tokens' rows that train under LoRA."""
+    pcfg = getattr(model, "peft_config", None)
+    if not isinstance(pcfg, dict) or not pcfg:
+        return []
+    lcfg = pcfg.get(getattr(model, "active_adapter", None)) or next(iter(pcfg.values()))
+    rows = getattr(lcfg, "trainable_token_indices", None)
+    if not rows:
+        return []
+    if not isinstance(rows, dict):
+        rows = {"input embedding": rows}
+    ids = sorted({i for v in rows.values() for i in v})
+    n = sum(p.numel() for name, p in model.named_parameters() if "trainable_tokens_delta" in name)
+    where = " and ".join(rows)
+    return [f"lora: the {len(ids)} token(s) added to the tokenizer (ids {ids[0]}-{ids[-1]}) train their rows of "
+            f"{where} ({n:,} parameters; the other rows stay frozen): new tokens start "
+            "untrained, and a frozen row could never learn them"]
 
 
 @contextlib.contextmanager
@@ -211,11 +276,13 @@ def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: 
     elif cfg.method == "lora":
         for p in model.parameters():
             p.requires_grad_(False)
-        model = apply_lora(model, cfg, task)
+        new_ids = new_token_ids(cfg, tokenizer, model) if task == CAUSAL_LM else []
+        model = apply_lora(model, cfg, task, new_ids)
     else:
         _keep_cpu_4bit_layout(model)
         autocast_quantized_inputs(model)
+        new_ids = new_token_ids(cfg, tokenizer, model) if task == CAUSAL_LM else []
         model = prepare_qlora(model, cfg)
-        model = apply_lora(model, cfg, task)
+        model = apply_lora(model, cfg, task, new_ids)
     cast_trainable_fp32(model)
     return model.train()
