@@ -69,6 +69,10 @@ class MicroBatch:
         if self.position_ids is not None:
             # use_cache=False: transformers reads packing from position_ids only when no KV cache is being built
             return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.labels.dim() == 2:
+            # a causal LM (labels per position): a training or eval forward builds no KV cache (memory). A
+            # classifier's forward may not take the argument (BERT's does not), so it is not passed there
+            return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "use_cache": False}
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
 
 

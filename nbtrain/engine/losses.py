@@ -185,24 +185,66 @@ def head_loss_sum(head, h: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 10
     return total
 
 
+def target_positions(labels: torch.Tensor, n_targets: Optional[int] = None):
+    """(flat positions into ``labels.reshape(-1)`` whose next label counts, those labels).
+
+    ``n_targets`` (known on the host: ``MicroBatch.n_targets``) sizes the selection, so nothing is read back
+    from the device; without it the count is read (a host sync)."""
+    keep = F.pad(labels[:, 1:] != -100, (0, 1), value=False).reshape(-1)
+    if n_targets is None:
+        idx = keep.nonzero().squeeze(1)
+    else:
+        idx = torch.nonzero_static(keep, size=int(n_targets)).squeeze(1)
+    return idx, labels.reshape(-1).index_select(0, idx + 1)
+
+
+def decoder_inputs(input_ids, attention_mask, position_ids=None) -> dict:
+    """The decoder's keyword arguments in training: packed examples pass their ``position_ids`` and no padding
+    mask (transformers then keeps them apart, only when no KV cache is built), and no forward builds a cache."""
+    if position_ids is not None:
+        return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+
+
 def chunked_loss_sum(model, input_ids, attention_mask, labels, chunk_tokens: int = 1024, *,
                      parts=None, fused: Optional[bool] = None, n_targets: Optional[int] = None,
-                     compiled: bool = False) -> torch.Tensor:
+                     compiled: bool = False, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sum of next-token cross-entropies (labels in HF convention, -100 ignored), computed chunk by chunk.
 
     ``parts``: the (decoder, head) pair ``split_for_chunked_loss(model)`` gives, when the caller has it already.
     ``n_targets``: the number of labels that count, when the caller knows it on the host; when it is every
-    position, no device-side selection (a host sync) is needed. ``compiled``: see ``head_loss_sum``.
+    position, no selection is needed, and otherwise it sizes the selection without a host sync. The head runs
+    on the target positions only (a chat prompt's logits are never made). ``position_ids``: packed examples
+    (see ``decoder_inputs``). ``compiled``: see ``head_loss_sum``.
     """
     decoder, head = parts if parts is not None else split_for_chunked_loss(model)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = decoder(**decoder_inputs(input_ids, attention_mask, position_ids)).last_hidden_state
     y = labels[:, 1:]
     if n_targets is not None and n_targets == y.numel():
         return head_loss_sum(head, hidden[:, :-1].reshape(-1, hidden.shape[-1]), y.reshape(-1), chunk_tokens,
                              fused, compiled)
-    keep = y != -100
-    h = hidden[:, :-1][keep]   # only positions that count: padding costs no head FLOPs either
-    return head_loss_sum(head, h, y[keep], chunk_tokens, fused, compiled)
+    idx, ys = target_positions(labels, n_targets)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)   # padding and prompts cost no head FLOPs
+    return head_loss_sum(head, h, ys, chunk_tokens, fused, compiled)
+
+
+def selected_logits(parts, mb) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain path on a causal-LM batch with fewer targets than positions: (the head's logits at the target
+    positions only, their labels). The decoder's hidden states are selected before the head, so the logits of
+    prompt tokens and padding are never made; the loss over them is the full-logits loss, to rounding."""
+    decoder, head = parts
+    hidden = decoder(**decoder_inputs(mb.input_ids, mb.attention_mask, mb.position_ids)).last_hidden_state
+    idx, ys = target_positions(mb.labels, mb.n_targets)
+    return head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)), ys
+
+
+def selects_targets(mb, task: str, parts) -> bool:
+    """Whether the plain path runs the head on the target positions only: a causal-LM batch, a (decoder, head)
+    split, and fewer targets than positions (chat prompts, padding). A full batch of plain text keeps the
+    model's own forward."""
+    labels = getattr(mb, "labels", None)
+    return (task == "causal-lm" and parts is not None and labels is not None and labels.dim() == 2
+            and mb.n_targets < labels.shape[0] * (labels.shape[1] - 1))
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
@@ -222,12 +264,18 @@ def micro_loss_sum(model, mb, task: str, spec, device: str, chunk_tokens: Option
 
     Nothing here reads a device value back (the model's own mask logic may: transformers checks the mask on
     the host in eager mode). ``chunk_tokens`` (causal LM): the chunked loss, with ``parts`` its (decoder, head)
-    and ``compiled`` its per-chunk softmax gradient compiled. The logits are not kept past the loss: backward
+    and ``compiled`` its per-chunk softmax gradient compiled. Without it, ``parts`` lets the plain path run the
+    head on the target positions only when the batch has fewer targets than positions (``selects_targets``). The logits are not kept past the loss: backward
     needs only what the autograd graph holds.
     """
     with autocast(spec, device):
         if chunk_tokens and task == "causal-lm":
             return chunked_loss_sum(model, mb.input_ids, mb.attention_mask, mb.labels, chunk_tokens, parts=parts,
-                                    n_targets=mb.n_targets, compiled=compiled)
-        logits = model(**mb.forward_inputs()).logits   # input_ids + attention_mask, or an image's pixel_values
+                                    n_targets=mb.n_targets, compiled=compiled, position_ids=mb.position_ids)
+        if selects_targets(mb, task, parts):
+            logits, ys = selected_logits(parts, mb)
+        else:
+            logits = model(**mb.forward_inputs()).logits   # input_ids + attention_mask, or an image's pixel_values
+    if selects_targets(mb, task, parts):
+        return F.cross_entropy(logits.float(), ys, reduction="sum")
     return loss_sum(logits, mb.labels, task)

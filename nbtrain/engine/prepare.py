@@ -28,7 +28,7 @@ from .callbacks import CallbackList
 from .checkpoint import check_resumable, load_checkpoint
 from .distributed import SingleProcess, init_distributed
 from .fingerprint import weights_hash
-from .losses import micro_loss_sum, split_for_chunked_loss
+from .losses import ChunkedLossError, micro_loss_sum, split_for_chunked_loss
 from .records import EvalRecord, RunInfo, StepRecord
 from .rng import RunRng
 from .telemetry import RunTensorBytes
@@ -59,7 +59,7 @@ class RunState:
     nonfinite_policy: str
     host_tensors: RunTensorBytes          # the run's own tensors on the CPU (StepRecord.host_tensors_gib)
     chunk_tokens: Optional[int] = None    # the chunked loss's tokens per chunk; None: the plain loss
-    loss_parts: Any = None                # (decoder, head) for the chunked loss
+    loss_parts: Any = None                # (decoder, head): the chunked loss, or the plain loss's target rows
     compiled: list = field(default_factory=list)
     lean: Any = None
     init_hash: Optional[str] = None
@@ -157,6 +157,13 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
             raise ValueError("chunked_loss: not supported with several processes yet (DDP must see the "
                              "whole forward); set chunked_loss=False")
         loss_parts = split_for_chunked_loss(model)   # fail before step 1 if the model cannot use it
+    elif data.task == "causal-lm" and dist.world == 1:
+        # the plain loss runs the head on the target positions only (chat prompts and padding get no logits)
+        # where the model splits into a decoder and an output layer; otherwise the model's own forward
+        try:
+            loss_parts = split_for_chunked_loss(model)
+        except ChunkedLossError:
+            loss_parts = None
     # The first steps pay the compile time; step_time_s shows it.
     compiled = compile_blocks(model) if cfg.compile else []
 

@@ -19,16 +19,18 @@ from __future__ import annotations
 from ..config import TrainConfig
 from .advice import advise, oom_advice
 from .estimate import Advice, MemoryEstimate, check_estimable, estimate_once, target
+from .estimate import target_fraction as estimate_target_fraction
 from .report import EstimateReport, estimate_html, estimate_report, estimate_text, fmt_gib
 
 __all__ = ["Advice", "EstimateReport", "MemoryEstimate", "estimate_html", "estimate_memory", "estimate_report",
-           "estimate_text", "fmt_gib", "format_estimate", "oom_advice"]
+           "estimate_target_fraction", "estimate_text", "fmt_gib", "format_estimate", "oom_advice"]
 
 # the name ``nbtrain estimate`` and the tests know the text report by
 format_estimate = estimate_text
 
 
-def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, device: str | None = None) -> MemoryEstimate:
+def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, device: str | None = None,
+                    target_fraction: float | None = None, data=None) -> MemoryEstimate:
     """Estimate the memory one training step of ``cfg`` needs, from the model config alone.
 
     ``device_total_gib`` defaults to this device's memory (host RAM on CPU); ``device`` ("cuda" or
@@ -36,10 +38,17 @@ def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, 
     fit, ``advice`` lists cumulative changes, each with its new estimate, stopping at the first that fits.
     A precision or method this machine cannot run is estimated all the same; explicit LoRA targets the model
     does not have raise ConfigError.
+
+    The logits and the loss are made only at positions that carry a target (nbtrain.engine.losses). The
+    estimate cannot read the data, so it counts every position unless told: ``target_fraction`` (the share of
+    the B x (T - 1) positions with a target; chat data with completion-only loss: the answer tokens), or
+    ``data`` (a DataBundle, e.g. ``nbtrain.data.load_data(cfg, tokenizer)``), whose examples give it.
     """
     check_estimable(cfg)
-    where = target(device, device_total_gib)
-    est = estimate_once(cfg, where.device, where.total_gib, where.name)
+    if target_fraction is None and data is not None:
+        target_fraction = estimate_target_fraction(data, cfg.max_seq_len)
+    where = target(device, device_total_gib, target_fraction)
+    est = estimate_once(cfg, where.device, where.total_gib, where.name, target_fraction)
     if not est.fits:
         est.advice = advise(cfg, where)
     return est

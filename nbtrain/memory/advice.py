@@ -27,7 +27,7 @@ def _estimate_changed(cfg: TrainConfig, change: dict[str, Any], where: Target) -
         return None
     if where.caps is not None and new.method not in where.caps.allowed_methods:
         return None                     # this machine's device cannot run it (QLoRA without bitsandbytes)
-    return estimate_once(new, where.device, where.total_gib, where.name)
+    return estimate_once(new, where.device, where.total_gib, where.name, where.target_fraction)
 
 
 def advise(cfg: TrainConfig, where: Target) -> list[Advice]:
@@ -35,7 +35,7 @@ def advise(cfg: TrainConfig, where: Target) -> list[Advice]:
     closest reachable)."""
     advice: list[Advice] = []
     change: dict[str, Any] = {}
-    current = estimate_once(cfg, where.device, where.total_gib, where.name).total_gib
+    current = estimate_once(cfg, where.device, where.total_gib, where.name, where.target_fraction).total_gib
 
     def first_fit(steps: list[tuple[dict[str, Any], str]]) -> bool:
         """Take the first candidate that fits, else the smallest one if it helps; True once it fits."""

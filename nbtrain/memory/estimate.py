@@ -104,15 +104,19 @@ def estimate_precision(cfg: TrainConfig, device: str) -> str:
     return resolve_precision("auto", caps) if caps is not None else "bf16"
 
 
-def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device_name: str) -> MemoryEstimate:
-    """The estimate of ``cfg`` on ``device`` with ``device_total_gib`` of memory, without advice."""
+def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device_name: str,
+                  target_fraction: Optional[float] = None) -> MemoryEstimate:
+    """The estimate of ``cfg`` on ``device`` with ``device_total_gib`` of memory, without advice.
+
+    ``target_fraction`` (causal LM): the share of positions that carry a target (``target_fraction(data)``
+    for chat data, where only the answer tokens do); None: every position."""
     precision = estimate_precision(cfg, device)
     if cfg.task == "image-classification":   # a vision encoder: patches x hidden (or a traced CNN)
         from .vision import image_step_peak
 
         p = image_step_peak(cfg, precision, device, NUM_LABELS)
     else:
-        p = step_peak(cfg, precision, device, NUM_LABELS)
+        p = step_peak(cfg, precision, device, NUM_LABELS, target_fraction)
     overhead = (CUDA_CONTEXT_BYTES if device == "cuda" else 0) + SLACK.get(device, 0.05) * p.peak
     total = p.peak + overhead
     return MemoryEstimate(
@@ -124,6 +128,23 @@ def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device
         precision=precision, peak_phase=p.phase, tensors_peak_gib=p.peak / GIB, notes=p.notes)
 
 
+def target_fraction(data, max_seq_len: int) -> float:
+    """The share of a ``max_seq_len`` batch's B x (T - 1) positions that carry a target in ``data`` (a
+    DataBundle, or its list of training examples): chat examples count their answer tokens (``labels`` not
+    -100 after the shift), plain text every token but the last; a row shorter than ``max_seq_len`` is padding."""
+    rows = getattr(data, "train", data)
+    if not rows or max_seq_len < 2:
+        return 1.0
+    targets = 0
+    for ex in rows:
+        labels = ex.get("labels")
+        if labels is None:
+            targets += max(0, min(len(ex.get("input_ids", ())), max_seq_len) - 1)
+        else:
+            targets += sum(1 for y in labels[1:max_seq_len] if y != -100)
+    return targets / (len(rows) * (max_seq_len - 1))
+
+
 @dataclass(frozen=True)
 class Target:
     """The device an estimate is for."""
@@ -132,9 +153,11 @@ class Target:
     total_gib: float                  # its memory
     name: str                         # as shown: "cuda (NVIDIA H200)", or the bare device
     caps: Optional[Capabilities]      # this machine's capabilities when it is this machine's device
+    target_fraction: Optional[float] = None   # the share of positions with a target (None: all)
 
 
-def target(device: str | None, device_total_gib: float | None) -> Target:
+def target(device: str | None, device_total_gib: float | None,
+           target_fraction: Optional[float] = None) -> Target:
     """The device to estimate for: ``device`` (default: the one nbtrain would use here) with
     ``device_total_gib`` (default: its memory, which must then be this machine's)."""
     dev = device or default_device()
@@ -146,4 +169,4 @@ def target(device: str | None, device_total_gib: float | None) -> Target:
             raise ValueError(f"device_total_gib: give the memory of the {dev} device to estimate for "
                              "(this machine has none to read)")
         device_total_gib = caps.total_memory_gib
-    return Target(dev, float(device_total_gib), name, caps)
+    return Target(dev, float(device_total_gib), name, caps, target_fraction)

@@ -17,6 +17,7 @@ there all through the last one. docs/memory-model.md explains each term.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..config import TrainConfig
 from .facts import NUM_LABELS, Architecture, architecture, layer_index, parameter_bytes
@@ -87,8 +88,12 @@ def _trace_layers(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int],
 
 
 def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquantized: frozenset[str],
-          autocast_bytes, lean: bool, device: str) -> _Head:
-    """Memory of the final norm, the output layer and the loss, for each path the loss can take."""
+          autocast_bytes, lean: bool, device: str, target_fraction: Optional[float] = None) -> _Head:
+    """Memory of the final norm, the output layer and the loss, for each path the loss can take.
+
+    ``target_fraction`` (causal LM): the share of the B x (T - 1) positions that carry a target (chat data
+    with completion-only loss: the answer tokens; padding); None or 1: every position. Below 1 the head runs on
+    the target positions only (``nbtrain.engine.losses``: chunked, or the plain path's selection)."""
     task, method, full = cfg.task, cfg.method, cfg.method == "full"
     h, V = arch.hidden, arch.vocab
     B, T = cfg.micro_batch_size, cfg.max_seq_len
@@ -98,14 +103,23 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
     head_weight = head_linear.weight if head_linear else V * h
     head_trainable = full or task == "sequence-classification"
     chunked = cfg.chunked_loss and task == "causal-lm"
+    positions = B * (T - 1)
+    n_targets = B
+    if task == "causal-lm":
+        f = 1.0 if target_fraction is None else min(1.0, max(0.0, float(target_fraction)))
+        n_targets = max(1, round(f * positions))
+    # the plain path selects the target positions before the head when some positions have none
+    selected = task == "causal-lm" and not chunked and n_targets < positions
     tr = LayerTrace(autocast_bytes, 1 if device == "cuda" else None, False, lean=lean)
     normed = tr.rmsnorm(TracedTensor(h, 4, True), full)
+    norm_saved = tr.per_token * N
     logits_size = s
     if not chunked:
         logits_size = tr.linear(normed, LinearSpec(h, V, head_weight,
                                                    "trainable" if head_trainable else "frozen")).size
     saved = tr.per_token * N + tr.const
-    n_targets = B * (T - 1) if task == "causal-lm" else B
+    if selected:   # the head's saved input is the selected rows; the positions and their targets (int64)
+        saved = norm_saved + (tr.per_token * N - norm_saved) // N * n_targets + tr.const + 16 * n_targets
     # nbtrain.engine.losses fuses the loss into a plain linear head (no adapter on it, not quantized)
     head_adapted = bool(arch.head) and any(n == arch.head or n.startswith(arch.head + ".") for n in adapted)
     head_quantized = method == "qlora" and head_linear is not None and arch.head not in unquantized
@@ -148,6 +162,14 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
         backward = s * C * V + weight_grad + loss_backward - 12 * C * V
         if head_trainable and n_targets > C:   # ... and the sum is made out of place
             backward += 4 * head_weight
+    elif selected:
+        # nbtrain.engine.losses.selected_logits: the head and the loss over the n target rows only; in backward
+        # the selection scatters their gradient into a zero tensor of every position's hidden state
+        n = n_targets
+        logits = n * V * logits_size
+        loss_backward = 12 * n * V + 8 * n
+        logits_grad = n * V * logits_size
+        backward = logits_grad + (s + 4) * h * n + weight_grad + 4 * h * N
     elif task == "causal-lm":
         # the loop shifts the labels (padded with -100), not the logits: the loss runs over all N rows
         logits = N * V * logits_size
@@ -191,8 +213,11 @@ def _gradients_by_position(arch: Architecture, full: bool, adapted: dict[str, in
     return per_layer, head, embedding, other
 
 
-def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = NUM_LABELS) -> StepPeak:
-    """The parts of one training step of ``cfg`` under ``precision`` on ``device``, and its peak."""
+def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = NUM_LABELS,
+              target_fraction: Optional[float] = None) -> StepPeak:
+    """The parts of one training step of ``cfg`` under ``precision`` on ``device``, and its peak.
+
+    ``target_fraction``: see ``_head`` (the share of positions with a target; None: all of them)."""
     arch = architecture(cfg.model, cfg.task, num_labels)
     params = parameter_bytes(cfg, arch, num_labels)
     notes: list[str] = []
@@ -222,7 +247,7 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     layers = _trace_layers(cfg, arch, params.adapted, autocast_bytes, device, lean, math_seq)
     rope_bytes = 2 * arch.head_dim * 4 * T       # cos and sin, fp32, shared by all layers
     inputs = 3 * 8 * N                           # input_ids, attention_mask, labels (int64)
-    head = _head(cfg, arch, params.adapted, params.unquantized, autocast_bytes, lean, device)
+    head = _head(cfg, arch, params.adapted, params.unquantized, autocast_bytes, lean, device, target_fraction)
     if ckpt:
         kept = [4 * h * N] * L         # each checkpointed layer keeps only its fp32 input
     else:
