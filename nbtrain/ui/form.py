@@ -7,6 +7,9 @@ reason, and when chosen anyway it is an error on that field: the panel does not 
 
 from __future__ import annotations
 
+import csv
+import functools
+import json
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -64,6 +67,127 @@ def _data_path_like(name: str) -> bool:
     from ..data.loading import _looks_like_path
 
     return _looks_like_path(name)
+
+
+_TRAIN_ON_WORDS = {"completion": "loss on every assistant answer (prompts masked)",
+                   "last": "loss on the last assistant answer only", "all": "loss on every token, prompts included"}
+
+
+@functools.lru_cache(maxsize=16)
+def _builtin_columns(name: str) -> tuple[str, ...]:
+    from ..data.builtin import builtin_rows
+
+    rows = builtin_rows(name)
+    return tuple(rows[0]) if rows else ()
+
+
+@functools.lru_cache(maxsize=32)
+def _file_columns(path: str, _stamp: tuple) -> tuple[str, ...] | None:
+    """The columns of a data file's first row (None: plain text, or not readable cheaply). ``_stamp`` (mtime,
+    size) makes an edited file read again."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix == ".txt":
+        return None
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return tuple(pq.read_schema(p).names)
+    if suffix == ".csv":
+        with p.open(newline="", encoding="utf-8") as f:
+            return tuple(next(csv.reader(f), []))
+    if suffix in (".json", ".jsonl"):
+        text = p.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:   # JSON lines: the first row is the first line
+            line = next((ln for ln in text.splitlines() if ln.strip()), "")
+            data = json.loads(line) if line else {}
+        if isinstance(data, list):
+            data = data[0] if data else {}
+        return tuple(data) if isinstance(data, dict) else ()
+    return None
+
+
+def _data_file(p: Path, info: dict | None) -> Path | None:
+    if p.is_file():
+        return p
+    if info and info.get("file_name") and (p / info["file_name"]).is_file():
+        return p / info["file_name"]
+    exts = (".json", ".jsonl", ".csv", ".parquet", ".txt")
+    return next((f for f in sorted(p.rglob("*")) if f.is_file() and f.suffix.lower() in exts
+                 and f.name != "dataset_info.json"), None)
+
+
+def _template_words(choice: str, model: str) -> str:
+    choice = (choice or "auto").strip()
+    if choice.lower() in ("chatml", "llama3", "alpaca"):
+        return choice.lower()
+    if choice != "auto":
+        return "a custom Jinja template"
+    try:
+        from ..models import PRESETS
+    except Exception:
+        PRESETS = {}
+    if model in PRESETS:
+        return f"auto → chatml ({model}'s tokenizer has none; &lt;|im_start|&gt; / &lt;|im_end|&gt; are added)"
+    d = Path(model).expanduser()
+    if d.is_dir():
+        own = (d / "chat_template.jinja").is_file()
+        try:
+            own = own or bool(json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+        except (OSError, ValueError):
+            pass
+        return "auto → the tokenizer's own template" if own else "auto → chatml (the tokenizer has no template)"
+    return "auto → the tokenizer's own template (chatml when it has none)"
+
+
+def data_format_info(raw: dict, codecs: dict) -> tuple[str, str]:
+    """``(html, color)``: the data's format as a run would take it (named, or for ``data_format="auto"`` detected from
+    the builtin's name or a local file's first row), and for chat data the template and what the loss is on, in
+    words; ``("", grey)`` when it cannot be said cheaply (a dataset id: the run reads its columns)."""
+    from types import SimpleNamespace
+
+    if raw.get("task") != "causal-lm":
+        return "", render.GREY
+    try:
+        fmt_choice = codecs["data_format"].decode(raw["data_format"])
+        columns = codecs["columns"].decode(raw["columns"]) or {}
+    except (KeyError, ValueError):
+        return "", render.GREY   # the error box names the bad field
+    name = str(raw.get("data", "")).strip()
+    info = None
+    try:
+        from ..data import chat
+
+        if name.startswith("builtin:"):
+            cols = _builtin_columns(name[len("builtin:"):])
+        else:
+            p = Path(name).expanduser()
+            if not name or not p.exists():
+                return "", render.GREY
+            info = chat.dataset_info(p)
+            f = _data_file(p, info)
+            if f is None:
+                return "", render.GREY
+            st = f.stat()
+            cols = _file_columns(str(f), (st.st_mtime_ns, st.st_size))
+        if cols is None:   # a plain text file
+            fmt = "text"
+        else:
+            fmt, _, _ = chat.detect_format(list(cols), SimpleNamespace(data_format=fmt_choice, columns=dict(columns)),
+                                           info)
+    except Exception as e:   # a DataError (format named but its columns missing), an unreadable file
+        return f"format: {render.esc(e)}", render.RED
+    if fmt_choice == "auto":
+        how = "from dataset_info.json" if info is not None else "detected from the columns"
+    else:
+        how = "as set"
+    if fmt == "text":
+        return f"format: <b>plain text</b> ({how})", render.GREY
+    template = _template_words(str(raw.get("chat_template", "auto")), str(raw.get("model", "")).strip())
+    train_on = _TRAIN_ON_WORDS.get(raw.get("train_on"), render.esc(raw.get("train_on")))
+    return (f"format: <b>{render.esc(fmt)}</b> ({how}) · chat template: {template} · {train_on}"), render.GREY
 
 
 def _missing_model(name: str) -> str:
@@ -304,7 +428,8 @@ class Form:
             text, color = f"no such file or folder: {render.esc(name)}", render.RED
         else:
             text = "dataset id (Hugging Face Hub): downloaded on first use"
-        self.data_info.value = render.small(text, color)
+        fmt, fmt_color = data_format_info(raw, self.codecs) if color != render.RED else ("", color)
+        self.data_info.value = render.small(text, color) + ("<br>" + render.small(fmt, fmt_color) if fmt else "")
         # The label column only matters for classification, the image column only for images.
         self.controls["label_column"].disabled = raw["task"] == "causal-lm"
         self.controls["image_column"].disabled = raw["task"] != "image-classification"

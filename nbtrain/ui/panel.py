@@ -107,6 +107,8 @@ class Panel:
     status = property(lambda self: self.runner.status, doc="the status line")
     notes = property(lambda self: self.runner.notes, doc="the last run's notes and out-of-memory advice")
     dashboard_area = property(lambda self: self.runner.dashboard_area)
+    answers = property(lambda self: self.runner.answers,
+                       doc="the sample prompts' answers: the latest during a run, the last step's after a Train")
     dashboard = property(lambda self: self.runner.dashboard, doc="the LiveDashboard of the last press")
     live_figure = property(lambda self: self.runner.live_figure,
                            doc="where no FigureWidget renders (Colab): the live figure's output area, else None")

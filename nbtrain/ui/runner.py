@@ -122,6 +122,30 @@ class StatusCallback:
         return f" {self.variant}" if self.variant else ""
 
 
+class AnswersCallback:
+    """Puts the sample prompts' latest answers into the runner's answers block as they come (placed after the
+    dashboard, which has just recorded the answer)."""
+
+    def __init__(self, runner: "Runner", job: "Job"):
+        self.runner, self.job = runner, job
+
+    def on_sample(self, record) -> None:
+        dash = self.runner.dashboard
+        if dash is not None and self.runner.job is self.job:
+            self.runner.answers.value = dash.samples_html()
+
+
+def answers_html(samples) -> str:
+    """A finished Train's answers (``result.samples``): each prompt's answer at the last step, as HTML ("" without
+    sample prompts)."""
+    from ..engine.sampling import side_by_side
+    from ..viz.text import samples_html
+
+    if samples is None or getattr(samples, "empty", True):
+        return ""
+    return samples_html(side_by_side(samples, own_last=True), title="answers")
+
+
 class Runner:
     """The Train / Stop / Compare buttons, the precisions to compare, the status and notes, the dashboard.
 
@@ -168,6 +192,9 @@ class Runner:
                     "of their loss is the band a precision's difference is judged against (one extra run each)")
         self.difference_view = None   # the difference panel shown after a Compare
         self.dashboard_area = widgets.VBox()
+        # The sample prompts' answers, under the figure: the latest during a run, the last step's after a Train
+        # (after a Compare the comparison's table shows each variant's answers side by side instead).
+        self.answers = widgets.HTML(layout=widgets.Layout(max_width="100%"))
         compare_row = widgets.HBox([widgets.HTML(render.small("compare:")), *self.compare_choices.values(),
                                     self.seeds_control],
                                    layout=widgets.Layout(align_items="center", margin="0 0 0 12px"))
@@ -197,6 +224,7 @@ class Runner:
         job = Job(kind)
         self.job = job
         self.notes.value = ""
+        self.answers.value = ""
         self.train_button.disabled = True
         self.compare_button.disabled = True
         self.stop_button.disabled = False
@@ -220,8 +248,12 @@ class Runner:
             self.live_figure = LiveFigureOutput(dash)
         self.dashboard = dash
         shown = dash.widget if dash.widget is not None else self.live_figure.widget
-        self.dashboard_area.children = (shown,)
-        return [dash] + ([self.live_figure] if self.live_figure is not None else [])
+        own = getattr(getattr(dash, "view", None), "answers", None)
+        if isinstance(own, widgets.Widget):   # the widget dashboard's own answers block: one block is enough
+            own.layout.display = "none"
+        self.dashboard_area.children = (shown, self.answers)
+        job = self.job
+        return [dash] + ([self.live_figure] if self.live_figure is not None else []) + [AnswersCallback(self, job)]
 
     def train(self, cfg) -> None:
         """Start a Train of ``cfg`` in the background."""
@@ -307,11 +339,13 @@ class Runner:
                 self.result = result
                 self.set_status(render.result_line(result), render.status_color(result))
                 self.notes.value = render.notes_block([(None, result)])
+                self.answers.value = answers_html(getattr(result, "samples", None))
                 self._settle_dashboard()
             else:
                 self.comparison = comparison
                 self.set_status(*_comparison_status(comparison))
                 self.notes.value = render.notes_block(list((getattr(comparison, "results", None) or {}).items()))
+                self.answers.value = ""   # the comparison's summary shows them side by side, variant by variant
                 self._settle_dashboard()
                 self._show_comparison(comparison)
         finally:
@@ -327,16 +361,17 @@ class Runner:
         dash = self.dashboard
         if dash is None:
             return
+        answers = (self.answers,) if self.answers.value else ()
         if not dash.records:
-            self.dashboard_area.children = (widgets.HTML(render.small("no steps ran: nothing to plot")),)
+            self.dashboard_area.children = (widgets.HTML(render.small("no steps ran: nothing to plot")), *answers)
         elif dash.widget is not None:
-            self.dashboard_area.children = (dash.figure,)
+            self.dashboard_area.children = (dash.figure, *answers)
         else:   # no FigureWidget (Colab, no anywidget): the finished figure, drawn the html way
             from ..viz.views import static_bundle
 
             out = widgets.Output()
             out.outputs = ({"output_type": "display_data", "data": static_bundle(dash.figure), "metadata": {}},)
-            self.dashboard_area.children = (out,)
+            self.dashboard_area.children = (out, *answers)
 
     def _show_comparison(self, cmp) -> None:
         # The verdicts, the compact table, its notes and the full table behind a toggle, under the figure;
