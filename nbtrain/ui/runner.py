@@ -131,8 +131,12 @@ class AnswersCallback:
 
     def on_sample(self, record) -> None:
         dash = self.runner.dashboard
-        if dash is not None and self.runner.job is self.job:
-            self.runner.answers.value = dash.samples_html()
+        runner = self.runner
+        if dash is not None and runner.job is self.job:
+            runner.answers.value = dash.samples_html()
+            area = runner.dashboard_area
+            if runner.answers.value and runner.answers not in area.children:   # shown from the first answer on
+                area.children = (*area.children, runner.answers)
 
 
 def answers_html(samples) -> str:
@@ -251,7 +255,7 @@ class Runner:
         own = getattr(getattr(dash, "view", None), "answers", None)
         if isinstance(own, widgets.Widget):   # the widget dashboard's own answers block: one block is enough
             own.layout.display = "none"
-        self.dashboard_area.children = (shown, self.answers)
+        self.dashboard_area.children = (shown,)
         job = self.job
         return [dash] + ([self.live_figure] if self.live_figure is not None else []) + [AnswersCallback(self, job)]
 
