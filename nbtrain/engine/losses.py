@@ -240,11 +240,12 @@ def selected_logits(parts, mb) -> tuple[torch.Tensor, torch.Tensor]:
 
 def selects_targets(mb, task: str, parts) -> bool:
     """Whether the plain path runs the head on the target positions only: a causal-LM batch, a (decoder, head)
-    split, and fewer targets than positions (chat prompts, padding). A full batch of plain text keeps the
-    model's own forward."""
+    split, and real tokens that are not targets (chat prompts under completion-only loss: fewer targets than
+    the ``n_tokens - rows`` plain text has). Plain text, padded or not, keeps the model's own forward (and its
+    pinned losses); its padding alone is not worth a second code path."""
     labels = getattr(mb, "labels", None)
     return (task == "causal-lm" and parts is not None and labels is not None and labels.dim() == 2
-            and mb.n_targets < labels.shape[0] * (labels.shape[1] - 1))
+            and mb.n_targets < mb.n_tokens - labels.shape[0])
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:

@@ -131,7 +131,8 @@ def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device
 def target_fraction(data, max_seq_len: int) -> float:
     """The share of a ``max_seq_len`` batch's B x (T - 1) positions that carry a target in ``data`` (a
     DataBundle, or its list of training examples): chat examples count their answer tokens (``labels`` not
-    -100 after the shift), plain text every token but the last; a row shorter than ``max_seq_len`` is padding."""
+    -100 after the shift); plain text gets logits at every position (its padding too: nbtrain.engine.losses
+    selects target rows for chat data only), so it counts 1."""
     rows = getattr(data, "train", data)
     if not rows or max_seq_len < 2:
         return 1.0
@@ -139,7 +140,7 @@ def target_fraction(data, max_seq_len: int) -> float:
     for ex in rows:
         labels = ex.get("labels")
         if labels is None:
-            targets += max(0, min(len(ex.get("input_ids", ())), max_seq_len) - 1)
+            targets += max_seq_len - 1
         else:
             targets += sum(1 for y in labels[1:max_seq_len] if y != -100)
     return targets / (len(rows) * (max_seq_len - 1))
