@@ -89,6 +89,7 @@ def test_run_notes_say_what_trains(run):
     notes = method_notes(result.model)
     assert len(notes) == 1
     assert "ids 2048-2049" in notes[0] and "model.embed_tokens and lm_head" in notes[0] and "512 parameters" in notes[0]
+    assert notes[0] in result.summary["notes"]   # the run says it too
     # plain-text LoRA (no token added) has no such note
     cfg = nbt.TrainConfig(model="tiny", method="lora")
     tok = load_tokenizer(cfg)

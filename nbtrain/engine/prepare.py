@@ -23,6 +23,7 @@ from ..data.chat import describe_template, ensure_chat_tokens
 from ..hardware import capabilities, check_runnable, default_device
 from ..models import build_model, check_lora_targets, count_params, load_tokenizer
 from ..models.lean import lean_layers
+from ..models.methods import method_notes
 from ..precision import PRECISION_TABLE, PrecisionSpec, global_torch_state, make_scaler
 from .callbacks import CallbackList
 from .checkpoint import check_resumable, load_checkpoint
@@ -133,6 +134,7 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     rng = RunRng(cfg.seed, device)
     with rng.active():
         model = build_model(cfg, tokenizer, data.num_labels, precision, device, label_names=data.label_names)
+    notes.extend(method_notes(model))   # e.g. the added chat tokens' rows that train under LoRA
     init_hash = weights_hash(model) if hash_init else None
     params = [p for p in model.parameters() if p.requires_grad]
     trainable, total_params = count_params(model)
