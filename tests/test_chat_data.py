@@ -357,3 +357,12 @@ def test_tiny_learns_the_answer_format_of_python_docs_qa():
     first, last = h.loss.iloc[:5].mean(), h.loss.iloc[-5:].mean()
     assert last < first - 2.0, (first, last)      # answer-token loss: ~7.6 at init, ~4.6 after 60 steps
     assert (h.tokens < 4 * 112).all()             # answer tokens only, not every input token
+
+
+def test_a_packed_chat_run_says_how_its_examples_were_kept_apart():
+    cfg = nbt.TrainConfig(model="tiny", data="builtin:python-docs-qa", subset=32, max_seq_len=256, packing=True,
+                          micro_batch_size=2, max_steps=1, eval_fraction=0.0, precision="fp32")
+    notes = nbt.train(cfg).summary["notes"]
+    assert any(n.startswith("packing: separate: position ids restart per example") for n in notes), notes
+    plain = nbt.train(cfg.replace(packing=False)).summary["notes"]
+    assert not any(n.startswith("packing:") for n in plain)

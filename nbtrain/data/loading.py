@@ -182,9 +182,8 @@ def _load_chat(cfg: TrainConfig, tokenizer, rows: _Rows, pad_token_id: int) -> D
         evals = chat.pack_chat(evals, cfg.max_seq_len)
         # what the data side gives: position ids that restart per example, and forward inputs without a padding
         # mask, from which transformers (>= 4.5x masking_utils) builds a block-diagonal mask for sdpa / eager
-        stats["packed_attention"] = ("separate: position_ids restart per example and the model masks attention "
-                                     "between packed examples (plain loss path; chunked_loss passes no position "
-                                     "ids yet, so there examples attend to each other)")
+        stats["packed_attention"] = ("separate: position ids restart per example and, with no padding mask, the "
+                                     "model masks attention between packed examples (plain and chunked loss)")
     return DataBundle(train=train, eval=evals, task=CAUSAL_LM, pad_token_id=pad_token_id, num_labels=None,
                       label_names=None, source=rows.source, stats=stats)
 
