@@ -157,7 +157,7 @@ def test_training_forwards_build_no_kv_cache(chat):
     spec = PRECISION_TABLE["fp32"]
     parts = split_for_chunked_loss(model)
     for chunk, p in ((None, None), (None, parts), (32, parts)):
-        seen = _decoder_kwargs(model, lambda: micro_loss_sum(model, mb, "causal-lm", spec, "cpu", chunk, p))
+        seen = _decoder_kwargs(model, lambda c=chunk, q=p: micro_loss_sum(model, mb, "causal-lm", spec, "cpu", c, q))
         assert seen and all(kw.get("use_cache") is False for kw in seen), (chunk, seen)
 
 
@@ -244,21 +244,6 @@ def test_estimate_with_the_target_share_matches_a_traced_chat_step(chat, chat_fi
     assert est.logits_gib < every.logits_gib
 
 
-@pytest.fixture(scope="module")
-def big_vocab_model(tmp_path_factory):
-    """A small Qwen2 whose output layer dominates (vocab 32,000 x hidden 64, tied), with tiny's tokenizer: the
-    logits and the loss are most of the step, so counting only the answer positions is what the estimate shows."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    tok = preset_tokenizer("tiny")
-    path = tmp_path_factory.mktemp("bigvocab_chat")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=32000, tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 @pytest.mark.parametrize("method,precision,chunked", [

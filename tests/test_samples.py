@@ -193,24 +193,11 @@ def test_sampling_time_is_in_no_step_and_not_in_tokens_per_s(monkeypatch):
 
 
 def test_the_dashboard_shows_the_latest_answers(monkeypatch, capsys):
-    import IPython.display
-
     from nbtrain.viz.dashboard import LiveDashboard
 
-    shown = []
+    from .test_ui_trust import _fake_display
 
-    class Handle:
-        def __init__(self, obj):
-            self.last = obj
-
-        def update(self, obj, raw=False):
-            self.last = obj
-
-    def display(obj, raw=False, display_id=None, **kw):
-        shown.append(Handle(obj))
-        return shown[-1]
-
-    monkeypatch.setattr(IPython.display, "display", display)
+    shown = _fake_display(monkeypatch)
     dash = LiveDashboard(mode="html")
     res = nbt.train(cfg(max_steps=3, max_new_tokens=3), callbacks=[dash])
     assert [r.to_dict() for r in dash.samples] == res.samples.to_dict("records")
