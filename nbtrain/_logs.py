@@ -8,6 +8,11 @@ import logging
 # with AVX512-BF16). It falls back to its own kernel; a tutorial that uses no QLoRA at all showed it in red.
 _BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 _BNB_CPU_MESSAGE = "kernels-community"
+# torchao (precision="fp8") logs, at import, each of its CUDA kernel libraries it cannot load on a machine without
+# them (a CPU, another CUDA), and torch logs that one of its enums registers itself the deprecated way. Its float8
+# training needs neither kernel library (it falls back to torch's scaled matmul, or emulates it).
+_QUIET = ((_BNB_CPU_LOGGER, _BNB_CPU_MESSAGE), ("torchao", "Failed to load"),
+          ("torch.utils._pytree", "register_constant"))
 
 
 class _DropMessage(logging.Filter):
@@ -24,9 +29,10 @@ class _DropMessage(logging.Filter):
 
 def quiet_library_logs() -> None:
     """Drop the known, harmless import-time log lines of optional libraries (idempotent; imports nothing)."""
-    log = logging.getLogger(_BNB_CPU_LOGGER)   # configurable before bitsandbytes is ever imported
-    if not any(isinstance(f, _DropMessage) for f in log.filters):
-        log.addFilter(_DropMessage(_BNB_CPU_MESSAGE))
+    for name, needle in _QUIET:
+        log = logging.getLogger(name)   # configurable before the library is ever imported
+        if not any(isinstance(f, _DropMessage) and f.needle == needle for f in log.filters):
+            log.addFilter(_DropMessage(needle))
 
 
 quiet_library_logs()   # on import: nbtrain/__init__ imports this module before anything else

@@ -24,7 +24,11 @@ from pydantic import (
     model_validator,
 )
 
-Precision = Literal["auto", "fp32", "tf32", "fp16", "bf16"]
+Precision = Literal["auto", "fp32", "tf32", "fp16", "bf16", "bf16-pure", "fp8"]
+# the optimizers one name builds (nbtrain.engine.optimizers): torch's AdamW, bitsandbytes' 8-bit AdamW (paged: CUDA
+# only), transformers' Adafactor, SGD with momentum 0.9
+Optimizer = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "sgd"]
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 Task = Literal["causal-lm", "sequence-classification", "image-classification"]
 # builtin datasets of images; every other builtin is text (nbtrain.data.builtin lists them all)
 IMAGE_BUILTINS = ("builtin:digits",)
@@ -97,7 +101,9 @@ class TrainConfig(BaseModel):
     subset: Optional[int] = Field(None, ge=1, description="first N examples only (before the eval split); "
                                                           "blank = all")
     precision: Precision = Field("auto", description="auto (bf16 where supported, else fp16 on CUDA, else fp32), "
-                                                     "fp32, tf32 (Ampere+ GPUs), fp16 (with a GradScaler) or bf16")
+                                                     "fp32, tf32 (Ampere+ GPUs), fp16 (with a GradScaler), bf16, "
+                                                     "bf16-pure (weights, gradients and optimizer state in bf16, "
+                                                     "no fp32 master) or fp8 (float8 matmuls in the linear layers)")
     micro_batch_size: int = Field(8, ge=1, le=4096,
                                   description="examples per forward/backward: drives activation memory")
     grad_accum_steps: int = Field(1, ge=1, le=4096,
@@ -112,8 +118,14 @@ class TrainConfig(BaseModel):
     quant_bits: int = Field(4, description="how the frozen base is stored (bitsandbytes): 4 (nf4) or 8 (int8)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, "
                                                             "~30% slower")
-    lr: float = Field(3e-4, gt=0, le=10, description="peak learning rate (AdamW)")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    lr: float = Field(3e-4, gt=0, le=10, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="the optimizer's weight decay (decoupled for the AdamW "
+                                                       "kinds and Adafactor)")
+    optimizer: Optimizer = Field("adamw", description="adamw (torch, fused on CUDA), adamw_8bit / paged_adamw_8bit "
+                                 "(bitsandbytes: 8-bit state; paged is CUDA only), adafactor (factored second "
+                                 "moment, no momentum) or sgd (momentum 0.9)")
+    stochastic_rounding: bool = Field(False, description="bf16-pure only: round each weight update to bf16 "
+                                      "stochastically, so small updates are kept on average")
     scheduler: Scheduler = Field("cosine", description="how the learning rate moves after warmup")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup from 0")
     max_steps: Optional[int] = Field(100, ge=1, description="optimizer steps to run; wins over epochs")
@@ -320,6 +332,19 @@ class TrainConfig(BaseModel):
         if self.sample_prompts and self.task != "causal-lm":
             raise ValueError(f"sample_prompts: a {self.task} model does not write answers; sample prompts need "
                              "task='causal-lm'")
+        if self.stochastic_rounding and self.precision != "bf16-pure":
+            raise ValueError("stochastic_rounding: rounds bf16 weights, so it needs precision='bf16-pure' (the other "
+                             f"precisions keep fp32 weights); got precision={self.precision!r}")
+        if self.stochastic_rounding and self.optimizer != "adamw":
+            raise ValueError("stochastic_rounding: implemented for optimizer='adamw' (torchao's bf16 "
+                             f"stochastic-round AdamW does the same); got optimizer={self.optimizer!r}")
+        if self.precision == "fp8" and self.method == "qlora":
+            raise ValueError("precision: 'fp8' runs nn.Linear matmuls in float8; QLoRA's base layers are 4/8-bit "
+                             "bitsandbytes layers with their own matmuls; use method='lora' or 'full' with fp8, or "
+                             "precision='bf16' with QLoRA")
+        if self.precision == "fp8" and self.lean_layers:
+            raise ValueError("lean_layers: its MLP computes the down projection itself, which would bypass fp8's "
+                             "float8 matmul there; set lean_layers=False with precision='fp8'")
         if self.save_every and not self.output_dir:
             raise ValueError(f"save_every: {self.save_every} needs output_dir to be set (checkpoints go to "
                              "output_dir/checkpoints)")

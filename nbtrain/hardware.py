@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .config import ConfigError, TrainConfig
+from .config import OPTIMIZERS, ConfigError, TrainConfig
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-pure", "fp8")
 METHODS = ("full", "lora", "qlora")
+# float8 tensor cores: Ada (8.9) and Hopper (9.0) and newer; elsewhere torchao emulates the fp8 matmuls
+FP8_COMPUTE_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class Capabilities:
     bitsandbytes: bool
     allowed_precisions: tuple[str, ...]
     allowed_methods: tuple[str, ...]
+    allowed_optimizers: tuple[str, ...] = OPTIMIZERS
+    fp8_native: bool = False         # float8 tensor cores (compute capability 8.9+): fp8 runs for speed
     reasons: dict[str, str] = field(default_factory=dict)   # option -> why it is not allowed
     notes: dict[str, str] = field(default_factory=dict)     # option -> caveat (allowed but slow, ...)
     compute_capability: tuple[int, int] | None = None
@@ -45,14 +49,14 @@ class Capabilities:
         return "fp32"
 
     def why_not(self, option: str) -> str | None:
-        """The reason an option (a precision or method name) cannot run here, or None."""
+        """The reason an option (a precision, method or optimizer name) cannot run here, or None."""
         return self.reasons.get(option)
 
     def _repr_html_(self) -> str:  # a small table in notebooks
         rows = "".join(
             f"<tr><td>{o}</td><td>{'yes' if o in self.allowed_precisions + self.allowed_methods else 'no'}"
             f"</td><td>{self.reasons.get(o) or self.notes.get(o, '')}</td></tr>"
-            for o in PRECISIONS + METHODS
+            for o in PRECISIONS + METHODS + OPTIMIZERS
         )
         return (f"<b>{self.device}</b>: {self.name}, {self.total_memory_gib:.1f} GiB, auto → "
                 f"{self.auto_precision}<table>{rows}</table>")
@@ -89,6 +93,15 @@ def _bitsandbytes_status(device: str) -> tuple[bool, str | None]:
     except Exception as e:  # a broken native library raises all sorts of errors
         return False, f"bitsandbytes does not load here: {type(e).__name__}: {e}"
     return True, None
+
+
+def _torchao_status() -> str | None:
+    """Why fp8 training cannot run here for want of torchao, or None. Only its presence is asked: importing it
+    takes ~1 s, which every capabilities() would pay; a torchao that is there but broken fails when a fp8 run
+    converts its layers, with the import's error."""
+    if importlib.util.find_spec("torchao") is None:
+        return "fp8 needs torchao (pip install 'nbtrain[fp8]')"
+    return None
 
 
 def _host_memory_gib() -> float:
@@ -135,16 +148,35 @@ def _capabilities(device: str) -> Capabilities:
             notes["fp16"] = ("this CPU has no fp16 hardware: fp16 autocast works but is emulated and slower "
                              "than fp32 (up to ~10x on large matmuls); use it to study the GradScaler, not "
                              "for speed")
+    fp8_native = device == "cuda" and cc is not None and cc >= FP8_COMPUTE_CAPABILITY
+    if not bf16 and device == "cuda":
+        reasons["bf16-pure"] = reasons["bf16"]
+        reasons["fp8"] = f"{name} has no bf16 support, which fp8 runs its other layers in"
+    elif _torchao_status() is not None:
+        reasons["fp8"] = _torchao_status()
+    elif not fp8_native:
+        where = f"compute capability {cc[0]}.{cc[1]}" if cc else "a CPU"
+        notes["fp8"] = (f"emulated: numerics only, slower ({where} has no float8 tensor cores; they need "
+                        f"{FP8_COMPUTE_CAPABILITY[0]}.{FP8_COMPUTE_CAPABILITY[1]}+, e.g. an H100)")
+    if "bf16" in notes and "bf16-pure" not in reasons:
+        notes["bf16-pure"] = notes["bf16"]
     bnb_ok, bnb_why = _bitsandbytes_status(device)
     if not bnb_ok:
         reasons["qlora"] = f"{bnb_why}; use method='lora' instead"
+        reasons["adamw_8bit"] = f"{bnb_why}; use optimizer='adamw' or 'adafactor' instead"
+    if device != "cuda":
+        reasons["paged_adamw_8bit"] = ("paged optimizer state moves between GPU and host memory through CUDA "
+                                       "unified memory: CUDA only; on a CPU use optimizer='adamw_8bit'")
+    elif not bnb_ok:
+        reasons["paged_adamw_8bit"] = reasons["adamw_8bit"]
     allowed_p = tuple(p for p in PRECISIONS if p not in reasons)
     allowed_m = tuple(m for m in METHODS if m not in reasons)
+    allowed_o = tuple(o for o in OPTIMIZERS if o not in reasons)
     return Capabilities(
         device=device, name=name, total_memory_gib=round(total, 2), bf16_supported=bf16,
         bf16_native=bf16_native, fp16_supported=fp16, fp16_fast=fp16_fast, tf32_supported=tf32,
         bitsandbytes=bnb_ok, allowed_precisions=allowed_p, allowed_methods=allowed_m,
-        reasons=reasons, notes=notes, compute_capability=cc,
+        allowed_optimizers=allowed_o, fp8_native=fp8_native, reasons=reasons, notes=notes, compute_capability=cc,
     )
 
 
@@ -176,4 +208,7 @@ def check_runnable(cfg: TrainConfig, caps: Capabilities | None = None) -> str:
                           f"{caps.reasons[cfg.precision]}", field="precision")
     if cfg.method in caps.reasons:
         raise ConfigError(f"method: {cfg.method!r} cannot run here: {caps.reasons[cfg.method]}", field="method")
+    if cfg.optimizer in caps.reasons:
+        raise ConfigError(f"optimizer: {cfg.optimizer!r} cannot run on this {caps.device}: "
+                          f"{caps.reasons[cfg.optimizer]}", field="optimizer")
     return resolve_precision(cfg.precision, caps)

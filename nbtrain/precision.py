@@ -12,9 +12,13 @@ import torch
 @dataclass(frozen=True)
 class PrecisionSpec:
     name: str
-    autocast_dtype: Optional[torch.dtype]   # None: no autocast, plain fp32 kernels
+    autocast_dtype: Optional[torch.dtype]   # None: no autocast (the weights' own dtype computes)
     scaler: bool                            # a GradScaler is needed (fp16 underflows without one)
     tf32: bool                              # allow TF32 tensor-core matmuls for fp32 tensors
+    # The trainable weights' dtype, hence their gradients' and (for AdamW, SGD) the optimizer state's: fp32 is a
+    # master copy the low-precision compute reads through autocast; bf16 has none (LLaMA-Factory's pure_bf16).
+    param_dtype: torch.dtype = torch.float32
+    fp8: bool = False                       # nn.Linear matmuls in float8 (torchao Float8Linear), the rest autocast
 
 
 PRECISION_TABLE: dict[str, PrecisionSpec] = {
@@ -22,6 +26,27 @@ PRECISION_TABLE: dict[str, PrecisionSpec] = {
     "tf32": PrecisionSpec("tf32", None, False, True),
     "fp16": PrecisionSpec("fp16", torch.float16, True, False),
     "bf16": PrecisionSpec("bf16", torch.bfloat16, False, False),
+    "bf16-pure": PrecisionSpec("bf16-pure", None, False, False, param_dtype=torch.bfloat16),
+    "fp8": PrecisionSpec("fp8", torch.bfloat16, False, False, fp8=True),
+}
+
+# Which tensor is in which dtype under each precision (the README's "every tensor" table, notebook 09).
+# "compute": the matmuls' inputs; "activations": what the forward saves for backward.
+TENSOR_DTYPES: dict[str, dict[str, str]] = {
+    "fp32": {"weights": "fp32", "master weights": "-", "compute": "fp32", "activations": "fp32",
+             "gradients": "fp32", "optimizer state": "fp32"},
+    "tf32": {"weights": "fp32", "master weights": "-", "compute": "tf32 (fp32 in, 10-bit mantissa products)",
+             "activations": "fp32", "gradients": "fp32", "optimizer state": "fp32"},
+    "fp16": {"weights": "fp32", "master weights": "the fp32 weights", "compute": "fp16 (autocast)",
+             "activations": "fp16", "gradients": "fp32 (scaled in backward)", "optimizer state": "fp32"},
+    "bf16": {"weights": "fp32", "master weights": "the fp32 weights", "compute": "bf16 (autocast)",
+             "activations": "bf16", "gradients": "fp32", "optimizer state": "fp32"},
+    "bf16-pure": {"weights": "bf16", "master weights": "none", "compute": "bf16", "activations": "bf16",
+                  "gradients": "bf16", "optimizer state": "bf16 (adamw, sgd)"},
+    "fp8": {"weights": "fp32", "master weights": "the fp32 weights",
+            "compute": "fp8 linears (e4m3 forward, e5m2 gradients), bf16 autocast elsewhere",
+            "activations": "bf16 (+ fp8 copies of the linears' inputs)", "gradients": "fp32",
+            "optimizer state": "fp32"},
 }
 
 

@@ -13,7 +13,7 @@ from nbtrain.hardware import check_runnable, resolve_precision
 from nbtrain.models import check_lora_targets
 
 BAD = [
-    (dict(precision="fp8"), "precision"),
+    (dict(precision="fp4"), "precision"),
     (dict(task="translation"), "task"),
     (dict(method="dora"), "method"),
     (dict(lora_r=0), "lora_r"),
@@ -193,7 +193,7 @@ def test_yaml_round_trip_exact(tmp_path):
 
 def test_from_yaml_errors_name_the_file(tmp_path):
     p = tmp_path / "bad.yaml"
-    p.write_text("precision: fp8\n")
+    p.write_text("precision: fp4\n")
     with pytest.raises(ConfigError, match=r"(?s)bad\.yaml.*precision"):
         nbt.TrainConfig.from_yaml(p)
     with pytest.raises(FileNotFoundError, match="missing.yaml"):

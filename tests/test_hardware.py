@@ -25,13 +25,24 @@ def fake_cuda(monkeypatch):
 def test_ampere_or_newer_allows_everything_and_auto_is_bf16(fake_cuda):
     caps = fake_cuda("NVIDIA H200", (9, 0), 139.8, True)
     assert caps.device == "cuda" and caps.total_memory_gib == pytest.approx(139.8, abs=0.01)
-    assert set(caps.allowed_precisions) == {"fp32", "tf32", "fp16", "bf16"}
+    assert set(caps.allowed_precisions) == {"fp32", "tf32", "fp16", "bf16", "bf16-pure", "fp8"}
     assert caps.auto_precision == "bf16" and caps.tf32_supported and caps.fp16_fast
+    # Hopper has float8 tensor cores: fp8 runs for speed, not emulated; every optimizer, paged too, runs on CUDA
+    assert caps.fp8_native and "fp8" not in caps.notes
+    assert set(caps.allowed_optimizers) == {"adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "sgd"}
+
+
+def test_fp8_is_emulated_below_ada_and_refused_without_bf16(fake_cuda):
+    a100 = fake_cuda("NVIDIA A100", (8, 0), 80.0, True)
+    assert "fp8" in a100.allowed_precisions and not a100.fp8_native
+    assert "emulated: numerics only, slower" in a100.notes["fp8"] and "8.0" in a100.notes["fp8"]
+    t4 = fake_cuda("Tesla T4", (7, 5), 15.0, False)
+    assert "bf16-pure" in t4.reasons and "fp8" in t4.reasons
 
 
 def test_turing_has_no_bf16_or_tf32_and_auto_is_fp16(fake_cuda):
     caps = fake_cuda("Tesla T4", (7, 5), 15.0, False)
-    assert caps.allowed_precisions == ("fp32", "fp16")
+    assert caps.allowed_precisions == ("fp32", "fp16")   # no bf16: no bf16-pure, no fp8 (its other layers are bf16)
     assert "bf16" in caps.reasons and "fp16" in caps.reasons["bf16"]      # the reason names the alternative
     assert "Ampere" in caps.reasons["tf32"] and "7.5" in caps.reasons["tf32"]
     assert caps.auto_precision == "fp16"

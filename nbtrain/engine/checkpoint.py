@@ -41,7 +41,7 @@ _REQUIRED: dict[str, tuple[type, ...]] = {
 RESUME_KEYS = ("model", "task", "data", "subset", "max_seq_len", "micro_batch_size", "grad_accum_steps",
                "method", "lora_r", "lora_alpha", "lora_targets", "quant_bits", "seed", "packing", "eval_fraction",
                "text_column", "label_column", "scheduler", "warmup_steps", "lr", "precision", "max_grad_norm",
-               "weight_decay")
+               "weight_decay", "optimizer", "stochastic_rounding")
 
 _STEP_RE = re.compile(r"step-(\d+)")
 _TMP_RE = re.compile(r"\.tmp-step-\d+-(\d+)(?:-.*)?")   # group 1: the writer's pid (format 1 names too)
@@ -334,5 +334,5 @@ def save_run(st, step: int) -> Path:
              "scheduler": st.scheduler.state_dict(), "scaler": st.scaler.state_dict(), "rng": st.rng.state_dict(),
              "prev_scale": st.prev_scale, "data_hash": st.data_hash.hex(), "first_nonfinite": st.first_nonfinite,
              "records": [r.to_dict() for r in st.records], "evals": [r.to_dict() for r in st.evals],
-             "config": st.cfg.to_dict()}
+             "config": st.cfg.to_dict(), "lost_updates": st.lost.state_dict()}
     return save_checkpoint(st.ckpt_dir, step, state, st.cfg.to_yaml(), run_id=st.run_id)

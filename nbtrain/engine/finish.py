@@ -16,7 +16,7 @@ from ..config import TrainConfig
 from ..memory import oom_advice
 from ..models import save_model
 from .callbacks import CallbackError, StopTraining
-from .doctor import diagnose
+from .doctor import diagnose, lost_updates_line
 from .evaluate import evaluate
 from .prepare import RunState, uncompile
 from .records import STEP_FIELDS, EvalRecord, RunInfo, SampleRecord, StepRecord
@@ -25,7 +25,7 @@ from .telemetry import host_rss_gib
 
 EVAL_FIELDS = ("step", "eval_loss", "eval_tokens", "eval_accuracy", "eval_perplexity")
 # Keys a summary shows only when they have a value (classification has no perplexity, most runs no advice).
-_ONLY_WHEN_SET = ("eval_accuracy", "eval_perplexity", "advice", "variant", "sample_s")
+_ONLY_WHEN_SET = ("eval_accuracy", "eval_perplexity", "advice", "variant", "sample_s", "lost_updates_by_step")
 
 
 @dataclass(eq=False)
@@ -58,6 +58,12 @@ class RunSummary(Mapping):
     grad_accum_steps: Optional[int] = None
     notes: list[str] = field(default_factory=list)
     grad_fp16_underflow_share: Optional[float] = None
+    # the share of sampled weight updates the weights' dtype could not hold (engine.doctor.LostUpdates), over the
+    # measured steps; None where none was measured
+    lost_updates: Optional[float] = None
+    lost_updates_by_step: Optional[dict[int, float]] = None
+    optimizer: str = "adamw"
+    weights_dtype: str = "fp32"
     advice: Optional[list[str]] = None
     variant: Optional[str] = None
     world_size: int = 1
@@ -183,6 +189,13 @@ def undo(st: RunState, stopped_reason: str) -> None:
             torch.cuda.empty_cache()
 
 
+def weights_dtype(params: list[torch.Tensor]) -> str:
+    """The trainable weights' dtype as a short name ("fp32", "bf16"; "fp32+bf16" when mixed)."""
+    names = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+    kinds = sorted({names.get(str(p.dtype), str(p.dtype).removeprefix("torch.")) for p in params})
+    return "+".join(kinds) if kinds else "-"
+
+
 def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
               sampler: Optional[Sampler] = None) -> RunSummary:
     """The run's summary from its records and what prepare() knew."""
@@ -194,6 +207,10 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
     sample_s = sampler.seconds if sampler is not None and sampler.prompts else None
     train_wall = wall - (sample_s or 0.0)
     last_eval = evals[-1] if evals else None
+    by_step, lost = st.lost.shares(), st.lost.share()
+    line = lost_updates_line(st.precision, by_step, st.cfg.stochastic_rounding)
+    if line and line not in st.notes:
+        st.notes.append(line)
     return RunSummary(
         steps=len(records), tokens=int(sum(r.tokens for r in records)),
         tokens_per_s=n_in_tokens / train_wall if train_wall > 0 else 0.0,
@@ -211,6 +228,8 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
         data_hash=st.data_hash.hex(), init_hash=st.init_hash,
         micro_batch_size=st.cfg.micro_batch_size, grad_accum_steps=st.cfg.grad_accum_steps, notes=st.notes,
         grad_fp16_underflow_share=float(underflow) if underflow is not None else None,
+        lost_updates=lost, lost_updates_by_step=by_step or None, optimizer=st.cfg.optimizer,
+        weights_dtype=weights_dtype(st.params),
         # The loop only records the out-of-memory stop; what to change comes from the estimator.
         advice=oom_advice(st.cfg) if stopped_reason == "out_of_memory" else None,
         variant=st.variant, world_size=st.dist.world, sample_s=sample_s,

@@ -2,7 +2,8 @@
 
 Each optimizer step: autocast forward -> loss over the step's target tokens -> scaled backward, for every
 micro-batch -> unscale -> measure the norm -> clip -> scaler step/update -> detect a skip -> scheduler on real
-steps only -> zero grads -> one StepRecord. A disabled GradScaler and a single process (``SingleProcess``) are
+steps only -> zero grads -> one StepRecord. The optimizer is whichever the config names (engine/optimizers.py);
+the weights' precision (bf16-pure, fp8) was applied to the model in prepare(), so the loop is the same for all. A disabled GradScaler and a single process (``SingleProcess``) are
 the no-op cases of loss scaling and of distribution, so the loop asks neither "fp16?" nor "distributed?".
 """
 
@@ -103,6 +104,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 underflow = grad_underflow_share(st.params)
             norm = grad_norm(st.params, cfg.max_grad_norm)
             lr = optimizer.param_groups[0]["lr"]
+            st.lost.before(step, lr)   # on sampled steps: the weights before the update, to count what it lost
             dist.all_reduce_sum(loss_acc)   # the step's loss over every rank's tokens
             # SYNC POINT (one per step): loss and grad norm to the host. A GradScaler step reads found_inf anyway,
             # and without a scaler we must know finiteness before stepping.
@@ -121,6 +123,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 skipped = nonfinite and st.nonfinite_policy != "continue"
                 if not skipped:
                     optimizer.step()
+            st.lost.after(skipped)
             if not skipped:
                 st.scheduler.step()                      # real steps only: a skipped step does not advance the lr
             host_tensors = st.host_tensors.step_peak()   # before zero_grad: gradients and optimizer state together

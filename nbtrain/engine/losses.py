@@ -276,7 +276,12 @@ def micro_loss_sum(model, mb, task: str, spec, device: str, chunk_tokens: Option
         if selects_targets(mb, task, parts):
             logits, ys = selected_logits(parts, mb)
         else:
-            logits = model(**mb.forward_inputs()).logits   # input_ids + attention_mask, or an image's pixel_values
+            # input_ids + attention_mask, or an image's pixel_values: in the weights' dtype when no autocast casts
+            # them (bf16-pure)
+            inputs = {k: v.to(spec.param_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                      and spec.autocast_dtype is None else v
+                      for k, v in mb.forward_inputs().items()}
+            logits = model(**inputs).logits
     if selects_targets(mb, task, parts):
         return F.cross_entropy(logits.float(), ys, reduction="sum")
     return loss_sum(logits, mb.labels, task)

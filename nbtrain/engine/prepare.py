@@ -24,12 +24,15 @@ from ..hardware import capabilities, check_runnable, default_device
 from ..models import build_model, check_lora_targets, count_params, load_tokenizer
 from ..models.lean import lean_layers
 from ..models.methods import method_notes
+from ..models.tensors import apply_tensor_precision
 from ..precision import PRECISION_TABLE, PrecisionSpec, global_torch_state, make_scaler
 from .callbacks import CallbackList
 from .checkpoint import check_resumable, load_checkpoint
 from .distributed import SingleProcess, init_distributed
+from .doctor import LostUpdates
 from .fingerprint import weights_hash
 from .losses import ChunkedLossError, micro_loss_sum, split_for_chunked_loss
+from .optimizers import build_optimizer
 from .records import EvalRecord, RunInfo, StepRecord
 from .rng import RunRng
 from .telemetry import RunTensorBytes
@@ -59,6 +62,7 @@ class RunState:
     info: RunInfo
     nonfinite_policy: str
     host_tensors: RunTensorBytes          # the run's own tensors on the CPU (StepRecord.host_tensors_gib)
+    lost: LostUpdates                     # the doctor's sampled count of updates the weights' dtype lost
     chunk_tokens: Optional[int] = None    # the chunked loss's tokens per chunk; None: the plain loss
     loss_parts: Any = None                # (decoder, head): the chunked loss, or the plain loss's target rows
     compiled: list = field(default_factory=list)
@@ -138,6 +142,8 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
         model = build_model(cfg, tokenizer, data.num_labels, precision, device, label_names=data.label_names)
     notes.extend(method_notes(model))   # e.g. the added chat tokens' rows that train under LoRA
     init_hash = weights_hash(model) if hash_init else None
+    # bf16 weights (bf16-pure) or float8 linears (fp8) after the hash: every precision starts from one init
+    notes.extend(apply_tensor_precision(model, spec, caps.fp8_native))
     params = [p for p in model.parameters() if p.requires_grad]
     trainable, total_params = count_params(model)
 
@@ -171,7 +177,7 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     # The first steps pay the compile time; step_time_s shows it.
     compiled = compile_blocks(model) if cfg.compile else []
 
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=(device == "cuda"))
+    optimizer = build_optimizer(cfg, params, device)
     per_epoch = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
     total_steps = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
     # The HF Trainer's own schedules. Imported here: transformers.optimization pulls in peft and bitsandbytes
@@ -196,6 +202,7 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
         scheduler=scheduler, scaler=scaler, total_steps=total_steps, info=info,
         nonfinite_policy=cfg.nonfinite or ("skip" if spec.scaler else "stop"),
         host_tensors=RunTensorBytes(device, model, optimizer, total_steps),
+        lost=LostUpdates(params, total_steps),
         chunk_tokens=chunk_tokens, loss_parts=loss_parts, compiled=compiled, lean=lean, init_hash=init_hash,
         variant=variant, notes=notes, stop_file=os.environ.get("NBTRAIN_STOP_FILE"),
         ckpt_dir=Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and dist.rank == 0 else None,
@@ -221,6 +228,7 @@ def resume(st: RunState, path: str) -> None:
     st.evals = [EvalRecord(**r) for r in ck["evals"]]
     st.start_step, st.prev_scale = ck["step"], ck["prev_scale"]
     st.data_hash, st.first_nonfinite = bytes.fromhex(ck["data_hash"]), ck["first_nonfinite"]
+    st.lost.load_state_dict(ck.get("lost_updates", {}))
     st.notes.extend(ck.get("notes", []))
     st.notes.append(f"resumed from {ck['path']} at step {st.start_step}")
 

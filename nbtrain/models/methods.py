@@ -19,7 +19,7 @@ from .loading import CAUSAL_LM, CLASSIFIERS, IMG_CLS, SEQ_CLS, ModelError, head_
 # the dtype bitsandbytes computes its 4-bit matmuls in, per resolved precision: it follows the
 # autocast dtype so the quantised layers do not silently run in another precision than the rest
 COMPUTE_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
-                 "bf16": torch.bfloat16}
+                 "bf16": torch.bfloat16, "bf16-pure": torch.bfloat16, "fp8": torch.bfloat16}
 
 _CHECKPOINT_KWARGS = {"use_reentrant": False}
 
