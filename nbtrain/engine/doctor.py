@@ -23,7 +23,8 @@ FP16_MIN_NORMAL = 6.103515625e-05
 class Finding:
     """One diagnosis: what (kind), how bad, where, the evidence, and what to change."""
 
-    kind: str            # "fp16_overflow" | "nonfinite" | "loss_spike" | "fp16_underflow" | "scale_stuck"
+    kind: str            # "fp16_overflow" | "nonfinite" | "loss_spike" | "fp16_underflow" | "scale_stuck" |
+    #                      "lost_updates"
     severity: str        # "info" | "warning" | "error"
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -97,6 +98,17 @@ def diagnose(history, summary: dict, cfg=None) -> list[Finding]:
                              f"{share:.0%} of sampled non-zero gradient elements are below fp16's smallest normal "
                              f"({FP16_MIN_NORMAL:.2e}): they would flush to zero in fp16 without loss scaling",
                              {"share": share}, _advice(cfg, scaler=True)))
+    by_step = summary.get("lost_updates_by_step")
+    precision = summary.get("precision_used") or (cfg.precision if cfg is not None else "")
+    line = lost_updates_line(precision, by_step, bool(cfg is not None and cfg.stochastic_rounding))
+    if line:
+        first = min(int(k) for k in by_step)
+        advice = ([] if cfg is not None and cfg.stochastic_rounding else
+                  ["stochastic_rounding=True"] if precision == "bf16-pure" else []) + \
+            (["precision='bf16' (autocast over fp32 master weights)"] if precision == "bf16-pure" else [])
+        found.append(Finding("lost_updates", "warning" if not (cfg is not None and cfg.stochastic_rounding)
+                             else "info", line, {"share": summary.get("lost_updates"), "by_step": dict(by_step)},
+                             advice or ["a larger learning rate"], first))
     return found
 
 
