@@ -121,10 +121,10 @@ PROFILES = {
 
 # Dense (no sparsity) peak TFLOP/s per precision; fp32 is the non-tensor-core rate. From NVIDIA's data sheets.
 PEAK_TFLOPS: list[tuple[tuple[str, ...], dict[str, float]]] = [
-    (("H200",), dict(fp32=66.9, tf32=494.7, bf16=989.4, fp16=989.4)),
-    (("H100", "NVL"), dict(fp32=60.0, tf32=417.5, bf16=835.5, fp16=835.5)),
-    (("H100", "PCIe"), dict(fp32=51.2, tf32=378.0, bf16=756.0, fp16=756.0)),
-    (("H100",), dict(fp32=66.9, tf32=494.7, bf16=989.4, fp16=989.4)),   # SXM
+    (("H200",), dict(fp32=66.9, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9)),
+    (("H100", "NVL"), dict(fp32=60.0, tf32=417.5, bf16=835.5, fp16=835.5, fp8=1670.9)),
+    (("H100", "PCIe"), dict(fp32=51.2, tf32=378.0, bf16=756.0, fp16=756.0, fp8=1513.0)),
+    (("H100",), dict(fp32=66.9, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9)),   # SXM
     (("A100",), dict(fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0)),
     (("L40S",), dict(fp32=91.6, tf32=183.0, bf16=362.0, fp16=362.0)),
     (("L4",), dict(fp32=30.3, tf32=60.0, bf16=121.0, fp16=121.0)),
@@ -204,6 +204,24 @@ def suite_rows(device: str) -> list[Row]:
                              "warmup_s includes compilation"))
         group("tf32", "tf32", slow=True, est=9)
         group("fp32", "fp32", slow=True, est=12)
+        # last, so the budget keeps the rows above where it binds (run them alone with --rows tensors).
+        # issue 27: the precision of every tensor, each against nbtrain:bf16 (same model, batches, steps)
+        rows += [
+            Row("nbtrain:bf16-pure", "nbtrain", "bf16-pure", group="tensors", est_s=6,
+                note="precision='bf16-pure': bf16 weights, gradients, AdamW state; no autocast"),
+            Row("nbtrain:bf16-pure+sr", "nbtrain", "bf16-pure", group="tensors",
+                cfg=(("stochastic_rounding", True),), est_s=7, note="bf16-pure + stochastic_rounding=True"),
+            Row("nbtrain:fp8", "nbtrain", "fp8", group="tensors", est_s=8,
+                note="precision='fp8': torchao Float8Linear (tensorwise) on the linears, lm_head in bf16"),
+            Row("nbtrain:bf16+adamw_8bit", "nbtrain", "bf16", group="tensors", cfg=(("optimizer", "adamw_8bit"),),
+                est_s=7, note="optimizer='adamw_8bit' (bitsandbytes)"),
+            Row("nbtrain:bf16+paged_adamw_8bit", "nbtrain", "bf16", group="tensors",
+                cfg=(("optimizer", "paged_adamw_8bit"),), est_s=7, note="optimizer='paged_adamw_8bit'"),
+            Row("nbtrain:bf16+adafactor", "nbtrain", "bf16", group="tensors", cfg=(("optimizer", "adafactor"),),
+                est_s=7, note="optimizer='adafactor' (transformers)"),
+            Row("nbtrain:bf16+sgd", "nbtrain", "bf16", group="tensors", cfg=(("optimizer", "sgd"),), est_s=6,
+                note="optimizer='sgd' (momentum 0.9)"),
+        ]
     else:
         group("fp32", "fp32", est=3)
         rows.insert(2, Row("nbtrain:fp32+dashboard", "nbtrain", "fp32", group="fp32", dashboard=True, est_s=3,
@@ -596,6 +614,10 @@ def _versions() -> dict:
     return out
 
 
+def _peak_key(precision: str) -> str:
+    return "bf16" if precision == "bf16-pure" else precision
+
+
 def aggregate(runs: list[dict], flops_per_token: float, peaks: Optional[dict]) -> list[dict]:
     """One row per name (repeats pooled), with ratios to the bare loop and the Trainer of its group."""
     by_name: dict[str, list[dict]] = {}
@@ -616,8 +638,9 @@ def aggregate(runs: list[dict], flops_per_token: float, peaks: Optional[dict]) -
                "tokens_per_s_best": round(max(windows), 1),
                "window_tokens_per_s": windows,
                "spread": round((max(windows) - min(windows)) / tps, 4) if len(windows) > 1 else 0.0,
-               "mfu": (round(flops_per_token * tps / (peaks[base["precision"]] * 1e12), 4)
-                       if peaks and base["precision"] in peaks else None),
+               # bf16-pure computes in bf16; fp8's MFU is against the fp8 peak (its head and attention are bf16)
+               "mfu": (round(flops_per_token * tps / (peaks[_peak_key(base["precision"])] * 1e12), 4)
+                       if peaks and _peak_key(base["precision"]) in peaks else None),
                "peak_mem_gib": round(max(peak_mem), 3) if peak_mem else None,
                "final_loss": ok[0]["final_loss"], "step_time_s": round(statistics.median(r["step_time_s"] for r in ok), 4),
                "warmup_s": round(statistics.median(r["warmup_s"] for r in ok), 2),
@@ -681,6 +704,13 @@ def checks(rows: list[dict], device: str) -> list[dict]:
         v = ratio("nbtrain:qlora", "nbtrain:lora")
         add("QLoRA / LoRA throughput (nbtrain)", v, f">= {TARGETS['qlora_vs_lora']}",
             None if v is None else v >= TARGETS["qlora_vs_lora"])
+        for name in ("nbtrain:bf16-pure", "nbtrain:bf16-pure+sr", "nbtrain:fp8", "nbtrain:bf16+adamw_8bit",
+                     "nbtrain:bf16+paged_adamw_8bit", "nbtrain:bf16+adafactor", "nbtrain:bf16+sgd"):
+            v = ratio(name, "nbtrain:bf16")
+            a, b = idx.get(name), idx.get("nbtrain:bf16")
+            peaks_ab = [a["peak_mem_gib"], b["peak_mem_gib"]] if a and b else None
+            add(f"{name.split(':', 1)[1]} / bf16 (nbtrain): tokens/s; peak GiB [it, bf16]", v,
+                "(info; fp8 > 1 expected on Hopper)", None, f"peaks {peaks_ab}")
         q, lo = idx.get("nbtrain:qlora"), idx.get("nbtrain:lora")
         add("QLoRA peak < LoRA peak (nbtrain)", q and lo and [q["peak_mem_gib"], lo["peak_mem_gib"]], "<",
             None if not (q and lo) or None in (q["peak_mem_gib"], lo["peak_mem_gib"])

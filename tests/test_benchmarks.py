@@ -128,7 +128,11 @@ def test_gpu_plan_fits_and_aggregates(suite):
     assert sum(r.est_s for r in quick) < 120
     assert [r.name for r in suite.select_rows(rows, "nbtrain:bf16+*", False, "cuda")] == [
         "nbtrain:bf16+dashboard", "nbtrain:bf16+chunked_loss", "nbtrain:bf16+chunked_loss+lean",
-        "nbtrain:bf16+padding", "nbtrain:bf16+chunked_loss+compile"]
+        "nbtrain:bf16+padding", "nbtrain:bf16+chunked_loss+compile", "nbtrain:bf16+adamw_8bit",
+        "nbtrain:bf16+paged_adamw_8bit", "nbtrain:bf16+adafactor", "nbtrain:bf16+sgd"]
+    assert {r.name for r in suite.select_rows(rows, "tensors", False, "cuda")} == {
+        "nbtrain:bf16-pure", "nbtrain:bf16-pure+sr", "nbtrain:fp8", "nbtrain:bf16+adamw_8bit",
+        "nbtrain:bf16+paged_adamw_8bit", "nbtrain:bf16+adafactor", "nbtrain:bf16+sgd"}
 
     def run(name, impl, group, tps, peak, precision="bf16", method="full", **kw):
         return {"name": name, "impl": impl, "group": group, "precision": precision, "method": method,

@@ -19,7 +19,8 @@ def test_capabilities_on_cuda():
     assert caps.device == "cuda" and caps.total_memory_gib > 1
     if caps.compute_capability >= (8, 0):
         assert caps.bf16_supported and caps.tf32_supported and caps.auto_precision == "bf16"
-        assert set(caps.allowed_precisions) == {"fp32", "tf32", "fp16", "bf16"}
+        assert {"fp32", "tf32", "fp16", "bf16", "bf16-pure"} <= set(caps.allowed_precisions)
+        assert "paged_adamw_8bit" in caps.allowed_optimizers or "bitsandbytes" in caps.reasons["paged_adamw_8bit"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16", "bf16"])
@@ -179,3 +180,43 @@ def test_lean_layers_on_cuda_equal_losses_lower_peak():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+# -- issue 27: the precision of every tensor on a GPU -------------------------------------------------------------
+def test_fp8_runs_native_on_fp8_tensor_cores_and_emulated_below():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    caps = nbt.capabilities()
+    r = nbt.train(nbt.TrainConfig(**SMALL, precision="fp8"))
+    fp8 = [m for m in r.model.modules() if isinstance(m, Float8Linear)]
+    assert fp8 and r.history.loss.notna().all() and r.summary["precision_used"] == "fp8"
+    emulated = "emulated" in " ".join(r.summary["notes"])
+    assert emulated == (not caps.fp8_native)
+    assert all(m.config.emulate == emulated for m in fp8)
+
+
+def test_paged_adamw_8bit_and_fused_adamw_step_on_cuda():
+    import bitsandbytes as bnb
+
+    paged = nbt.train(nbt.TrainConfig(**SMALL, precision="bf16", optimizer="paged_adamw_8bit"))
+    assert paged.summary["optimizer"] == "paged_adamw_8bit" and paged.history.loss.notna().all()
+    from nbtrain.engine.prepare import prepare
+
+    st = prepare(nbt.TrainConfig(**SMALL, precision="bf16"))
+    try:
+        assert isinstance(st.optimizer, torch.optim.AdamW) and st.optimizer.defaults["fused"] is True
+    finally:
+        st.restore.close()
+    st = prepare(nbt.TrainConfig(**SMALL, precision="bf16", optimizer="paged_adamw_8bit"))
+    try:
+        assert isinstance(st.optimizer, bnb.optim.PagedAdamW8bit)
+    finally:
+        st.restore.close()
+
+
+def test_bf16_pure_on_cuda_halves_the_weights_and_state():
+    full = nbt.train(nbt.TrainConfig(**SMALL, precision="bf16"))
+    pure = nbt.train(nbt.TrainConfig(**SMALL, precision="bf16-pure"))
+    assert pure.summary["weights_dtype"] == "bf16" and pure.history.loss.notna().all()
+    assert pure.summary["peak_vram_gib"] < full.summary["peak_vram_gib"]
