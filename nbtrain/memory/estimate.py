@@ -9,6 +9,7 @@ from typing import Any, Optional
 from ..config import TrainConfig
 from ..hardware import Capabilities, capabilities, default_device, resolve_precision
 from ..models import check_lora_targets
+from ..precision import PRECISION_TABLE
 from .facts import NUM_LABELS
 from .report import PART_ROWS, estimate_html, estimate_text
 from .timeline import step_peak
@@ -56,6 +57,19 @@ class MemoryEstimate:
     peak_phase: str = ""
     tensors_peak_gib: float = 0.0    # the timeline's peak without overhead: compare with max_memory_allocated
     notes: list[str] = field(default_factory=list)
+    # The precision of every tensor. ``weights_gib`` is every parameter in its stored dtype; under the autocast
+    # precisions (fp16, bf16, fp8) the fp32 trainable weights in it are the master copy the optimizer updates and
+    # the forward casts from: ``master_weights_gib`` says how much of ``weights_gib`` that is (a share of it, not
+    # added to the total). 0 under fp32/tf32 (the weights are what the forward reads: no second precision) and
+    # bf16-pure (no fp32 copy at all). Autocast's 16-bit weight copies are activations (saved for backward).
+    master_weights_gib: float = 0.0
+    master_weights_bytes: int = 0
+    optimizer: str = "adamw"         # the optimizer whose state ``optimizer_gib`` is
+    weights_dtype: str = "fp32"      # the trainable weights' dtype (and their gradients'): "fp32" or "bf16"
+    dtypes: dict[str, str] = field(default_factory=dict)   # part label -> the dtype(s) its tensors are in
+    # what a CPU run records as StepRecord.host_tensors_gib: weights, optimizer state and the tensors saved for
+    # backward (short-lived tensors are not seen), or weights + gradients + optimizer state at the optimizer step
+    run_tensors_gib: float = 0.0
 
     def table(self):
         """The parts as a DataFrame (part, GiB); the total is the step's peak, not their sum."""
@@ -120,12 +134,45 @@ def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device
     overhead = (CUDA_CONTEXT_BYTES if device == "cuda" else 0) + SLACK.get(device, 0.05) * p.peak
     total = p.peak + overhead
     return MemoryEstimate(
+        master_weights_gib=p.master_weights / GIB, master_weights_bytes=p.master_weights, optimizer=cfg.optimizer,
+        weights_dtype=DTYPE_NAMES[p.param_bytes], dtypes=part_dtypes(cfg, precision, p.param_bytes, device),
+        run_tensors_gib=p.run_tensors / GIB,
         weights_gib=p.weights / GIB, gradients_gib=p.gradients / GIB, optimizer_gib=p.optimizer / GIB,
         activations_gib=p.activations / GIB, logits_gib=p.logits / GIB, overhead_gib=overhead / GIB,
         total_gib=total / GIB, device=device_name, device_total_gib=float(device_total_gib),
         fits=total / GIB <= device_total_gib, trainable_params=p.trainable, total_params=p.total,
         weights_bytes=p.weights, gradients_bytes=p.gradients, optimizer_bytes=p.optimizer, advice=[], config=cfg,
         precision=precision, peak_phase=p.phase, tensors_peak_gib=p.peak / GIB, notes=p.notes)
+
+
+DTYPE_NAMES = {4: "fp32", 2: "bf16"}                 # the floating-point weights' element size -> their dtype
+_AUTOCAST_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def optimizer_state_dtype(optimizer: str, param_bytes: int) -> str:
+    """The dtype(s) of ``optimizer``'s state when the trainable weights take ``param_bytes`` per element."""
+    w = DTYPE_NAMES[param_bytes]
+    return {"adamw": f"{w} exp_avg + exp_avg_sq",
+            "adamw_8bit": "uint8 states + fp32 absmax per 256 (fp32 below 4096 elements)",
+            "paged_adamw_8bit": "uint8 states + fp32 absmax per 256 (fp32 below 4096 elements), paged",
+            "adafactor": "fp32, second moment factored (row + column)",
+            "sgd": f"{w} momentum"}.get(optimizer, "?")
+
+
+def part_dtypes(cfg: TrainConfig, precision: str, param_bytes: int, device: str = "cpu") -> dict[str, str]:
+    """Each part's dtype(s) under ``precision`` (what the report shows beside the parts)."""
+    w = DTYPE_NAMES[param_bytes]
+    spec = PRECISION_TABLE.get(precision, PRECISION_TABLE["fp32"])
+    compute = w if spec.autocast_dtype is None else _AUTOCAST_NAMES.get(str(spec.autocast_dtype), "16-bit")
+    weights = w
+    if cfg.method == "qlora":
+        weights = f"{'nf4' if cfg.quant_bits == 4 else 'int8'} base + {w}"
+    if spec.autocast_dtype is not None:
+        weights += " (the master copy; the forward reads " + ("fp8 casts" if spec.fp8 else compute) + ")"
+    acts = compute + (" + the fp8 layers' fp32 inputs (CPU)" if spec.fp8 and device != "cuda" else "")
+    return {"weights": weights, "gradients": w, "optimizer": f"{cfg.optimizer}: "
+            + optimizer_state_dtype(cfg.optimizer, param_bytes), "activations": acts,
+            "logits + loss": f"{compute} logits, fp32 loss"}
 
 
 def target_fraction(data, max_seq_len: int) -> float:

@@ -25,11 +25,15 @@ class MemoryEstimate(Protocol):
     fits: bool
     notes: Sequence[str]
     advice: Sequence[Any]
+    # and, read with defaults (an estimate made before issue 27 has none): optimizer, weights_dtype,
+    # master_weights_gib, dtypes (part label -> dtype text)
 
 # (label, MemoryEstimate attribute): the parts, then the step's peak
 PART_ROWS = (("weights", "weights_gib"), ("gradients", "gradients_gib"), ("optimizer", "optimizer_gib"),
              ("activations", "activations_gib"), ("logits + loss", "logits_gib"), ("overhead", "overhead_gib"),
              ("total (peak)", "total_gib"))
+# the part labels whose dtype the report shows beside them (MemoryEstimate.dtypes, keyed by label)
+DTYPE_PARTS = ("weights", "gradients", "optimizer", "activations", "logits + loss")
 
 RED, AMBER, GREEN, GREY = "#c62828", "#ef6c00", "#2e7d32", "#666"
 
@@ -49,6 +53,10 @@ class EstimateReport:
     fits: bool
     notes: tuple[str, ...]
     advice: tuple[Any, ...]                 # Advice items, cumulative, in order
+    dtypes: tuple[str, ...] = ()            # beside each part: the dtype(s) of its tensors ("" for none)
+    optimizer: str = "adamw"
+    weights_dtype: str = "fp32"
+    master_weights_gib: float = 0.0         # of the weights: the fp32 master copy (autocast precisions)
 
     @property
     def share(self) -> Optional[float]:
@@ -62,14 +70,21 @@ class EstimateReport:
 def estimate_report(est: MemoryEstimate) -> EstimateReport:
     """The rows, verdict and advice of ``est``."""
     cfg = est.config
-    title = (f"{cfg.model} {cfg.task}, {cfg.method}, {est.precision}, micro batch {cfg.micro_batch_size} x accum "
+    optimizer = getattr(est, "optimizer", "adamw")
+    weights_dtype = getattr(est, "weights_dtype", "fp32")
+    dtypes = getattr(est, "dtypes", None) or {}
+    title = (f"{cfg.model} {cfg.task}, {cfg.method}, {est.precision} ({weights_dtype} weights), {optimizer}, "
+             f"micro batch {cfg.micro_batch_size} x accum "
              f"{cfg.grad_accum_steps}, seq {cfg.max_seq_len}"
              f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}")
     return EstimateReport(
         title=title, total_params=est.total_params, trainable_params=est.trainable_params,
         parts=tuple((name, getattr(est, attr)) for name, attr in PART_ROWS[:-1]), total_gib=est.total_gib,
         peak_phase=est.peak_phase, device=est.device, device_total_gib=est.device_total_gib, fits=est.fits,
-        notes=tuple(est.notes), advice=tuple(est.advice))
+        notes=tuple(est.notes), advice=tuple(est.advice),
+        dtypes=tuple(dtypes.get(name, "") if name in DTYPE_PARTS else "" for name, _ in PART_ROWS[:-1]),
+        optimizer=optimizer, weights_dtype=weights_dtype,
+        master_weights_gib=float(getattr(est, "master_weights_gib", 0.0) or 0.0))
 
 
 def fmt_gib(x: Optional[float]) -> str:
@@ -93,12 +108,15 @@ def estimate_text(est: MemoryEstimate) -> str:
              f"  parameters: {r.total_params:,} ({r.trainable_params:,} trainable)", ""]
     rows = [*r.parts, (PART_ROWS[-1][0], r.total_gib)]
     width = max(len(name) for name, _ in rows)
-    lines.append(f"  {'part':<{width}}  {'GiB':>9}")
-    for name, gib in r.parts:
-        lines.append(f"  {name:<{width}}  {gib:>9.2f}")
+    lines.append(f"  {'part':<{width}}  {'GiB':>9}  dtype")
+    for (name, gib), dtype in zip(r.parts, r.dtypes or ("",) * len(r.parts)):
+        lines.append(f"  {name:<{width}}  {gib:>9.2f}  {dtype}".rstrip())
     lines.append(f"  {'-' * width}  {'-' * 9}")
     lines.append(f"  {PART_ROWS[-1][0]:<{width}}  {r.total_gib:>9.2f}")
     lines.append("")
+    if r.master_weights_gib:
+        lines.append(f"  of the weights, {fmt_gib(r.master_weights_gib)} are the fp32 master copy the optimizer "
+                     "updates (the forward reads autocast's casts of it)")
     lines.append(f"  total: the step's peak, at {r.peak_phase}; not the sum of the parts, since")
     lines.append("  gradients are created in backward as the activations are freed")
     lines.append(f"  {r.device}: {r.device_total_gib:.2f} GiB -> {'fits' if r.fits else 'DOES NOT FIT'}")
@@ -150,10 +168,13 @@ def estimate_html(est: MemoryEstimate, device: str = "", *, details: bool = Fals
     lines = [head]
     if details:
         lines.append(_small(_esc(f"{r.title}; {r.total_params:,} parameters ({r.trainable_params:,} trainable)")))
-        rows = "".join(f"<tr><td>{name}</td><td style='text-align:right'>{gib:,.2f}</td></tr>"
-                       for name, gib in (*r.parts, (PART_ROWS[-1][0], r.total_gib)))
-        lines.append(f"<table><tr><th>part</th><th>GiB</th></tr>{rows}</table>"
-                     + _small(f"the total is the step's peak, during {_esc(r.peak_phase)}"))
+        dts = (*(r.dtypes or ("",) * len(r.parts)), "")
+        rows = "".join(f"<tr><td>{name}</td><td style='text-align:right'>{gib:,.2f}</td><td>{_esc(dt)}</td></tr>"
+                       for (name, gib), dt in zip((*r.parts, (PART_ROWS[-1][0], r.total_gib)), dts))
+        lines.append(f"<table><tr><th>part</th><th>GiB</th><th>dtype</th></tr>{rows}</table>"
+                     + _small(f"the total is the step's peak, during {_esc(r.peak_phase)}"
+                              + (f"; the weights hold the fp32 master copy ({fmt_gib(r.master_weights_gib)})"
+                                 if r.master_weights_gib else "")))
         lines += [_small(f"note: {_esc(n)}") for n in r.notes]
         if r.advice:
             items = "".join(f"<li>{_esc(a.description)}: {fmt_gib(a.total_gib)}{' (fits)' if a.fits else ''}</li>"
@@ -161,7 +182,9 @@ def estimate_html(est: MemoryEstimate, device: str = "", *, details: bool = Fals
             lines.append(f"<span style='color:{AMBER}'>to make it fit, in order (each keeps the previous ones):"
                          f"</span><ol>{items}</ol>")
         return "<div style='line-height:1.5'>" + "<br>".join(lines) + "</div>"
-    parts = [f"{label} {fmt_gib(gib)}" for label, gib in r.parts if isinstance(gib, (int, float))]
+    parts = [f"{label} {fmt_gib(gib)}" + (f" ({r.weights_dtype})" if label == "weights" else
+                                          f" ({r.optimizer})" if label == "optimizer" else "")
+             for label, gib in r.parts if isinstance(gib, (int, float))]
     if r.peak_phase:
         parts.append(f"peak during {_esc(r.peak_phase)}")
     if parts:

@@ -21,7 +21,8 @@ from typing import Optional
 
 from ..config import TrainConfig
 from .facts import NUM_LABELS, Architecture, architecture, layer_index, parameter_bytes
-from .trace import LayerTrace, LinearSpec, TracedTensor, layer_projections, trace_decoder_layer
+from ..precision import PRECISION_TABLE
+from .trace import FP8_ALIGN, LayerTrace, LinearSpec, TracedTensor, layer_projections, trace_decoder_layer
 
 
 @dataclass
@@ -38,6 +39,9 @@ class StepPeak:
     trainable: int
     total: int
     notes: list[str]
+    master_weights: int = 0   # of ``weights``: the fp32 master copy of the trainable weights (autocast precisions)
+    run_tensors: int = 0      # what a CPU run's tracer counts (StepRecord.host_tensors_gib): see ``step_peak``
+    param_bytes: int = 4      # the floating-point weights' (and gradients') element size
 
 
 @dataclass
@@ -63,17 +67,20 @@ class _Head:
     chunk_forward: int       # the chunked loss's forward (its gradients too, when fused)
     backward: int            # the output layer's backward, beyond the activations and earlier gradients
     fused: bool              # the fused chunked path (nbtrain.engine.losses)
+    loss_saved: int = 0      # what the loss saves for backward (log_softmax's output and the targets; the fused
+                             # path's gradients): the part of ``loss_backward`` a saved-tensor tracer sees
 
 
 def _trace_layers(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], autocast_bytes, device: str,
-                  lean: bool, math_seq: int) -> _Layers:
+                  lean: bool, math_seq: int, param_bytes: int = 4, fp8_input_bytes: Optional[int] = None) -> _Layers:
     """Trace one representative layer, and the first, whose input may need no gradient."""
     full = cfg.method == "full"
 
     def layer_trace(idx: int, input_requires_grad: bool) -> tuple[LayerTrace, TracedTensor]:
         tr = LayerTrace(autocast_bytes, 1 if device == "cuda" else None, not full and cfg.lora_dropout > 0,
-                        math_seq, quant_out_autocast=cfg.quant_bits == 4, lean=lean)
-        out = trace_decoder_layer(tr, TracedTensor(arch.hidden, 4, input_requires_grad),
+                        math_seq, quant_out_autocast=cfg.quant_bits == 4, lean=lean, param_bytes=param_bytes,
+                        fp8_input_bytes=fp8_input_bytes)
+        out = trace_decoder_layer(tr, TracedTensor(arch.hidden, param_bytes, input_requires_grad),
                                   layer_projections(arch, idx, cfg.method, adapted, cfg.lora_r), full, arch)
         return tr, out
 
@@ -88,7 +95,8 @@ def _trace_layers(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int],
 
 
 def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquantized: frozenset[str],
-          autocast_bytes, lean: bool, device: str, target_fraction: Optional[float] = None) -> _Head:
+          autocast_bytes, lean: bool, device: str, target_fraction: Optional[float] = None,
+          param_bytes: int = 4) -> _Head:
     """Memory of the final norm, the output layer and the loss, for each path the loss can take.
 
     ``target_fraction`` (causal LM): the share of the B x (T - 1) positions that carry a target (chat data
@@ -98,7 +106,8 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
     h, V = arch.hidden, arch.vocab
     B, T = cfg.micro_batch_size, cfg.max_seq_len
     N = B * T
-    s = autocast_bytes or 4
+    pb = param_bytes                      # the weights' (and, without autocast, the compute) element size
+    s = autocast_bytes or pb
     head_linear = next((lin for lin in arch.linears if lin.name == arch.head), None)
     head_weight = head_linear.weight if head_linear else V * h
     head_trainable = full or task == "sequence-classification"
@@ -110,8 +119,8 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
         n_targets = max(1, round(f * positions))
     # the plain path selects the target positions before the head when some positions have none
     selected = task == "causal-lm" and not chunked and n_targets < positions
-    tr = LayerTrace(autocast_bytes, 1 if device == "cuda" else None, False, lean=lean)
-    normed = tr.rmsnorm(TracedTensor(h, 4, True), full)
+    tr = LayerTrace(autocast_bytes, 1 if device == "cuda" else None, False, lean=lean, param_bytes=pb)
+    normed = tr.rmsnorm(TracedTensor(h, pb, True), full)
     norm_saved = tr.per_token * N
     logits_size = s
     if not chunked:
@@ -125,39 +134,43 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
     head_quantized = method == "qlora" and head_linear is not None and arch.head not in unquantized
     fused = chunked and head_linear is not None and not head_adapted and not head_quantized
     # the weight's gradient in the output layer's backward (its autocast copy's, then the fp32 one)
-    weight_grad = head_weight * ((s + 4) if autocast_bytes else 4) if head_trainable else 0
+    weight_grad = head_weight * ((s + 4) if autocast_bytes else pb) if head_trainable else 0
     chunk_forward = 0
+    loss_saved = 0
     if fused:
         # The fused path: each chunk's gradients (hidden states, and the weight when it trains) are made in the
         # forward and kept until backward, which multiplies them by the incoming scalar (a second copy).
         C = min(cfg.loss_chunk_tokens, n_targets)
-        saved += (4 * h + 8) * n_targets             # the selected fp32 hidden states and their targets
-        keep = 4 * h * n_targets + (4 * head_weight if head_trainable else 0)
+        saved += (pb * h + 8) * n_targets             # the selected hidden states (fp32; bf16 under bf16-pure) and their targets
+        keep = pb * h * n_targets + (pb * head_weight if head_trainable else 0)
+        loss_saved = keep
         if autocast_bytes:
             # bf16 copies of the weight and the hidden states; a chunk's bf16 logits + fp32 copy, then its
             # bf16 gradient beside the fp32 one; later the bf16 gradient alone beside the chunk's bf16 weight
             # gradient before it is summed
             copies = 2 * head_weight + 2 * h * n_targets
             chunk = max(6 * C * V, 2 * C * V + (2 * head_weight if head_trainable else 0))
+        elif pb < 4:    # bf16 weights (bf16-pure): no copies; bf16 logits, their fp32 copy, the bf16 gradient
+            copies, chunk = 0, max(6 * C * V, 2 * C * V + (2 * head_weight if head_trainable else 0))
         else:    # fp32: the logits are made, turned into their gradient in place, and summed in place
             copies, chunk = 0, 4 * C * V
         chunk_forward = copies + keep + chunk
         logits = logits_grad = 0
         loss_backward = 2 * keep                      # ... and the scaled copies the backward makes
         # the saved gradients gone; the hidden states' gradient meets the index/slice backward
-        backward = (4 * head_weight if head_trainable else 0) + 4 * h * n_targets + 2 * 4 * h * N
+        backward = (pb * head_weight if head_trainable else 0) + pb * h * n_targets + 2 * pb * h * N
     elif chunked:
         # nbtrain.engine.losses: the head and the loss chunk by chunk, each chunk recomputed in backward. Kept:
         # the selected hidden states (fp32) and targets; a chunk's backward holds its logits, log_softmax and
         # the two fp32 gradients, the head's bf16 weight copy, and the hidden states' gradient buffers
         C = min(cfg.loss_chunk_tokens, n_targets)
-        saved += (4 * h + 8) * n_targets
+        saved += (pb * h + 8) * n_targets
         logits = logits_grad = 0
         copy = 2 * head_weight if autocast_bytes else 0
-        loss_backward = 12 * C * V + 2 * 4 * h * n_targets + copy
+        loss_backward = 12 * C * V + 2 * pb * h * n_targets + copy
         if head_trainable and n_targets > C:   # the earlier chunks' weight gradient waits to be summed
-            loss_backward += 4 * head_weight
-        chunk_forward = 4 * h * N + (s + 8) * C * V + copy
+            loss_backward += pb * head_weight
+        chunk_forward = pb * h * N + (s + 8) * C * V + copy
         # one chunk's logits gradient and the weight's; the log_softmax tensors are gone by then
         backward = s * C * V + weight_grad + loss_backward - 12 * C * V
         if head_trainable and n_targets > C:   # ... and the sum is made out of place
@@ -168,25 +181,28 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
         n = n_targets
         logits = n * V * logits_size
         loss_backward = 12 * n * V + 8 * n
+        loss_saved = 4 * n * V + 8 * n
         logits_grad = n * V * logits_size
         backward = logits_grad + (s + 4) * h * n + weight_grad + 4 * h * N
     elif task == "causal-lm":
         # the loop shifts the labels (padded with -100), not the logits: the loss runs over all N rows
         logits = N * V * logits_size
         loss_backward = 12 * N * V + 8 * N     # log_softmax output, its two fp32 gradients, targets
+        loss_saved = 4 * N * V + 8 * N         # log_softmax's output and the targets
         logits_grad = N * V * logits_size
         backward = logits_grad + (s + 4) * h * N + weight_grad
     else:
         logits = N * V * logits_size           # the head runs on every position, then pools
         loss_backward = 12 * B * V
+        loss_saved = 4 * B * V + 8 * B
         logits_grad = logits
         backward = logits_grad + (s + 4) * h * N + weight_grad
     return _Head(saved=saved, logits=logits, loss_backward=loss_backward, logits_grad=logits_grad,
-                 chunk_forward=chunk_forward, backward=backward, fused=fused)
+                 chunk_forward=chunk_forward, backward=backward, fused=fused, loss_saved=loss_saved)
 
 
 def _gradients_by_position(arch: Architecture, full: bool, adapted: dict[str, int],
-                           gradients: int) -> tuple[list[int], int, int, int]:
+                           gradients: int, pb: int = 4) -> tuple[list[int], int, int, int]:
     """Gradient bytes by where backward creates them: (per decoder layer, output layer, embedding, others)."""
     L = arch.layers
     per_layer = [0] * L
@@ -194,20 +210,20 @@ def _gradients_by_position(arch: Architecture, full: bool, adapted: dict[str, in
         for name, n in adapted.items():
             idx = layer_index(name, L)
             if idx is not None:
-                per_layer[idx] += 4 * n
+                per_layer[idx] += pb * n
         return per_layer, gradients - sum(per_layer), 0, 0
     head_names = {f"{arch.head}.weight", f"{arch.head}.bias"} if arch.head else set()
     head = embedding = other = 0
     for name, n, _ in arch.params:   # tied weights appear once, under the embedding's name
         idx = layer_index(name, L)
         if idx is not None:
-            per_layer[idx] += 4 * n
+            per_layer[idx] += pb * n
         elif name in head_names:
-            head += 4 * n
+            head += pb * n
         elif "embed" in name or name.endswith("wte.weight") or name.endswith("wpe.weight"):
-            embedding += 4 * n
+            embedding += pb * n
         else:
-            other += 4 * n
+            other += pb * n
     if arch.tied:
         head = embedding   # the output layer's backward creates the shared weight's gradient first
     return per_layer, head, embedding, other
@@ -219,12 +235,23 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
 
     ``target_fraction``: see ``_head`` (the share of positions with a target; None: all of them)."""
     arch = architecture(cfg.model, cfg.task, num_labels)
-    params = parameter_bytes(cfg, arch, num_labels)
+    params = parameter_bytes(cfg, arch, num_labels, precision)
     notes: list[str] = []
     h, L = arch.hidden, arch.layers
     T = cfg.max_seq_len
     N = cfg.micro_batch_size * T
-    autocast_bytes = 2 if precision in ("bf16", "fp16") else None   # tf32 keeps fp32 tensors
+    spec = PRECISION_TABLE.get(precision, PRECISION_TABLE["fp32"])
+    # the precision table: autocast's element size (None: no autocast; tf32 keeps fp32 tensors), the weights'
+    # (bf16-pure: 2, and no autocast, so no weight copies), and fp8's Float8Linear layers
+    autocast_bytes = spec.autocast_dtype.itemsize if spec.autocast_dtype is not None else None
+    pb = params.param_bytes
+    fp8_input_bytes = None
+    if spec.fp8:
+        fp8_input_bytes = autocast_bytes if device == "cuda" else 0
+        notes.append("fp8: approximate; torchao's Float8Linear layers (the decoder's linears with sizes divisible "
+                     f"by {FP8_ALIGN}) keep their {'bf16' if device == 'cuda' else 'fp32 (CPU: not cast)'} input "
+                     "for backward and no weight copy; their short-lived float8 casts (1 byte per input element "
+                     "and per weight) are not counted; the output layer runs under bf16 autocast")
     full = cfg.method == "full"
     ckpt = cfg.gradient_checkpointing
 
@@ -240,16 +267,17 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
                      else f"{arch.model_type} has no Llama-style MLP and RMSNorm") + ")")
     # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
     # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
-    math_seq = T if device == "cuda" and autocast_bytes is None and arch.kv_heads < arch.heads else 0
+    math_seq = T if device == "cuda" and autocast_bytes is None and pb == 4 and arch.kv_heads < arch.heads else 0
     if math_seq:
         notes.append("fp32 attention with grouped kv heads runs SDPA's math kernel on CUDA (T x T scores per "
                      "layer); bf16 avoids it")
-    layers = _trace_layers(cfg, arch, params.adapted, autocast_bytes, device, lean, math_seq)
-    rope_bytes = 2 * arch.head_dim * 4 * T       # cos and sin, fp32, shared by all layers
+    layers = _trace_layers(cfg, arch, params.adapted, autocast_bytes, device, lean, math_seq, pb, fp8_input_bytes)
+    rope_bytes = 2 * arch.head_dim * pb * T      # cos and sin in the residual's dtype, shared by all layers
     inputs = 3 * 8 * N                           # input_ids, attention_mask, labels (int64)
-    head = _head(cfg, arch, params.adapted, params.unquantized, autocast_bytes, lean, device, target_fraction)
+    head = _head(cfg, arch, params.adapted, params.unquantized, autocast_bytes, lean, device, target_fraction,
+                 pb)
     if ckpt:
-        kept = [4 * h * N] * L         # each checkpointed layer keeps only its fp32 input
+        kept = [pb * h * N] * L        # each checkpointed layer keeps only its input (the residual's dtype)
     else:
         kept = [layers.per_token[k] * N + layers.const[k] for k in range(L)]
     acts = sum(kept) + rope_bytes + inputs + head.saved
@@ -276,7 +304,7 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     phases["head"] = (earlier_grads + acts + head.backward, "the output layer's backward")
     # decoder layers, last to first: their activations go, their gradients come
     layer_grads, head_grads, embedding_grads, other_grads = _gradients_by_position(arch, full, params.adapted,
-                                                                                   grads)
+                                                                                   grads, pb)
     remaining = acts - head.saved
     grads_so_far = head_grads + other_grads
     worst = (0, "")
@@ -285,10 +313,10 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
         # inside the MLP's backward: the gradients of SiLU(gate) and up (or the attention's, if larger)
         backward_temps = max(2 * layers.mlp_grad, layers.attn_grad) * N
         if ckpt:                       # the layer is recomputed first, with its own short-lived tensors
-            transient = layer_act + layers.const[k] - 4 * h * N + max(layers.fwd_extra * N, backward_temps)
+            transient = layer_act + layers.const[k] - pb * h * N + max(layers.fwd_extra * N, backward_temps)
         else:
             transient = backward_temps
-        transient += 4 * h * N         # the residual stream's gradient
+        transient += pb * h * N        # the residual stream's gradient
         here = earlier_grads + remaining + (0 if accum else grads_so_far) + layer_grads[k] + transient
         if here > worst[0]:
             worst = (here, f"layer {k}'s backward" + (" (recomputed)" if ckpt else ""))
@@ -303,6 +331,15 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     phases["optimizer"] = (grads, "the optimizer step")
     top, where = max(phases.values(), key=lambda v: v[0])
     head_part = max(head.chunk_forward, head.loss_backward) if head.fused else head.logits + head.loss_backward
+    # What nbtrain's CPU run tracer (engine.telemetry.RunTensorBytes, StepRecord.host_tensors_gib) counts: the
+    # weights and optimizer state (and the earlier micro-batches' gradients) with every tensor saved for backward,
+    # or all of them with the gradients at the optimizer step. It sees no short-lived tensor (the loss backward's,
+    # a layer's backward temporaries), and of a checkpointed layer only its input (torch's checkpoint saves its
+    # positional inputs for backward; RoPE's cos and sin come as keyword arguments, and what the layer saves is
+    # packed by checkpoint's own hooks).
+    run_saved = acts - (rope_bytes if ckpt else 0) + head.loss_saved
+    run_tensors = params.weights + params.optimizer + max(earlier_grads + run_saved, grads)
     return StepPeak(weights=params.weights, gradients=grads, optimizer=params.optimizer, activations=acts,
                     logits=head_part, peak=params.weights + params.optimizer + top, phase=where,
-                    trainable=params.trainable, total=params.total, notes=notes)
+                    trainable=params.trainable, total=params.total, notes=notes,
+                    master_weights=params.master_weights, run_tensors=run_tensors, param_bytes=pb)

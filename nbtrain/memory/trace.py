@@ -12,6 +12,9 @@ from typing import Optional
 
 from .facts import LLAMA_ROLES, Architecture
 
+# torchao's float8 matmuls need both sizes of a weight divisible by 16 (nbtrain.models.tensors.FP8_ALIGN): others stay
+FP8_ALIGN = 16
+
 
 class TracedTensor:
     """A tensor of the trace: ``elems`` per token, ``size`` bytes per element, whether it requires grad."""
@@ -37,8 +40,15 @@ class LayerTrace:
     """Saved tensors of one decoder layer (or the head) per token, plus token-independent weight copies."""
 
     def __init__(self, autocast_bytes: Optional[int], mask_bytes: Optional[int], dropout: bool,
-                 math_seq: int = 0, quant_out_autocast: bool = True, lean: bool = False):
+                 math_seq: int = 0, quant_out_autocast: bool = True, lean: bool = False, param_bytes: int = 4,
+                 fp8_input_bytes: Optional[int] = None):
         self.autocast_bytes = autocast_bytes   # autocast element size, None without autocast
+        # the weights' element size (2 under bf16-pure): without autocast the compute dtype, and the residual's
+        self.param_bytes = param_bytes
+        # precision="fp8": torchao's Float8Linear saves its high-precision input (the autocast dtype on CUDA, where
+        # it casts the input first; as it comes on the CPU, where its CUDA-only autocast check does not cast) and
+        # no weight copy (the fp8 casts are made again in backward); 0: as it comes, None: no fp8 layers
+        self.fp8_input_bytes = fp8_input_bytes
         self.lean = lean              # nbtrain.models.lean: norms and the MLP keep less (TrainConfig.lean_layers)
         self.quant_out_autocast = quant_out_autocast   # a quantised layer returns the autocast dtype (4-bit)
         self.mask_bytes = mask_bytes  # dropout mask bytes per element (None: the input's dtype)
@@ -68,8 +78,16 @@ class LayerTrace:
 
     def linear(self, x: TracedTensor, spec: LinearSpec) -> TracedTensor:
         ac = self.autocast_bytes
+        pb = self.param_bytes
         trainable = spec.kind == "trainable"
-        if spec.kind == "quant":
+        fp8 = (self.fp8_input_bytes is not None and spec.kind != "quant" and not spec.n_in % FP8_ALIGN
+               and not spec.n_out % FP8_ALIGN)
+        if fp8:
+            if x.requires_grad or trainable:   # saved whether or not the weight trains
+                self.save(x if not self.fp8_input_bytes or x.size == self.fp8_input_bytes else
+                          TracedTensor(x.elems, self.fp8_input_bytes, x.requires_grad))
+            out = TracedTensor(spec.n_out, ac or pb, x.requires_grad or trainable)
+        elif spec.kind == "quant":
             # bitsandbytes keeps only the packed weight for backward and returns its input's dtype; nbtrain
             # hands a 4-bit layer its input in the autocast dtype (models.methods.autocast_quantized_inputs)
             out = TracedTensor(spec.n_out, ac if ac and self.quant_out_autocast else x.size, x.requires_grad)
@@ -81,34 +99,37 @@ class LayerTrace:
                     self.cache += 2 * spec.weight
             if x.requires_grad and ac:
                 self.const += 2 * spec.weight   # the cast weight, for the input's gradient
-            out = TracedTensor(spec.n_out, ac or 4, x.requires_grad or trainable)
+            out = TracedTensor(spec.n_out, ac or pb, x.requires_grad or trainable)
         if not spec.lora_r:
             return out
         r = spec.lora_r
-        # peft casts the input to the adapter's dtype (fp32), drops out, then lora_A and lora_B; the
-        # fp32 copy and the dropout output live only while the adapter runs, beside the base output
-        x_fp32 = x if x.size == 4 else TracedTensor(x.elems, 4, x.requires_grad)
+        # peft casts the input to the adapter's dtype (fp32; bf16 under bf16-pure), drops out, then lora_A and
+        # lora_B; the cast copy and the dropout output live only while the adapter runs, beside the base output
+        x_fp32 = x if x.size == pb else TracedTensor(x.elems, pb, x.requires_grad)
         x_dropped = x_fp32
         dropout_out = 0
         if self.dropout:
             if x_fp32.requires_grad:
                 self.save(TracedTensor(x_fp32.elems, self.mask_bytes or x_fp32.size, False))
-            x_dropped = TracedTensor(x_fp32.elems, 4, x_fp32.requires_grad)
-            dropout_out = 4 * x.elems if ac else 0   # without autocast lora_A keeps it (saved)
-        # short-lived: the fp32 copy, then the dropout output, or lora_B's output and its scaled copy
-        extra = ((4 * x.elems if x_fp32 is not x else 0) + max(dropout_out, 2 * spec.n_out * (ac or 4))
+            x_dropped = TracedTensor(x_fp32.elems, pb, x_fp32.requires_grad)
+            dropout_out = pb * x.elems if ac else 0   # without autocast lora_A keeps it (saved)
+        # short-lived: the cast copy, then the dropout output, or lora_B's output and its scaled copy
+        extra = ((pb * x.elems if x_fp32 is not x else 0) + max(dropout_out, 2 * spec.n_out * (ac or pb))
                  + (0 if id(x) in self.saved else x.elems * x.size))   # the input itself, held by the call
         self.fwd_extra = max(self.fwd_extra, extra)
         self.save(self.cast(x_dropped))
-        self.save(TracedTensor(r, ac or 4, True))    # lora_A's output
+        self.save(TracedTensor(r, ac or pb, True))    # lora_A's output
         if ac:
             self.const += 2 * r * (spec.n_in + spec.n_out)
             self.cache += 2 * r * (spec.n_in + spec.n_out)
-        return TracedTensor(spec.n_out, max(out.size, ac or 4), True)
+        return TracedTensor(spec.n_out, max(out.size, ac or pb), True)
 
     def rmsnorm(self, x: TracedTensor, trainable: bool) -> TracedTensor:
+        # Llama's RMSNorm computes in fp32 and returns weight * normed.to(input dtype): the promoted dtype of the
+        # weight and the input (bf16 under bf16-pure, else fp32)
+        out_size = max(x.size, self.param_bytes)
         if not (x.requires_grad or trainable):
-            return TracedTensor(x.elems, 4, False)
+            return TracedTensor(x.elems, out_size, False)
         x_fp32 = x if x.size == 4 else TracedTensor(x.elems, 4, x.requires_grad)
         if x.requires_grad:
             self.save(x_fp32)
@@ -116,14 +137,15 @@ class LayerTrace:
         if trainable and not self.lean:   # lean: recomputed in backward from the input and the 1/rms
             normed = TracedTensor(x.elems, 4, x.requires_grad)
             self.save(normed if x.size == 4 else TracedTensor(x.elems, x.size, x.requires_grad))
-        return TracedTensor(x.elems, 4, x.requires_grad or trainable)
+        return TracedTensor(x.elems, out_size, x.requires_grad or trainable)
 
     def rope(self, q: TracedTensor) -> TracedTensor:
-        return TracedTensor(q.elems, max(q.size, 4), q.requires_grad)   # cos/sin are fp32: q * cos promotes
+        # cos/sin have the residual's dtype (fp32, or bf16 under bf16-pure): q * cos promotes to it
+        return TracedTensor(q.elems, max(q.size, self.param_bytes), q.requires_grad)
 
     def sdpa(self, q: TracedTensor, k: TracedTensor, v: TracedTensor, heads: int) -> TracedTensor:
         requires_grad = q.requires_grad or k.requires_grad or v.requires_grad
-        size = self.autocast_bytes or 4
+        size = self.autocast_bytes or self.param_bytes
         if self.math_seq:
             # the math kernel: scaled q, k and v repeated to every head, the softmax (heads x T per token);
             # its output is laid out by head, so the caller's transpose makes a copy for o_proj
@@ -179,7 +201,7 @@ def trace_decoder_layer(tr: LayerTrace, x: TracedTensor, projections: dict[str, 
         tr.mlp_live = 3
         if tr.autocast_bytes:
             tr.const += 2 * down_spec.weight
-        return TracedTensor(x.elems, max(residual.size, tr.autocast_bytes or 4), True)
+        return TracedTensor(x.elems, max(residual.size, tr.autocast_bytes or tr.param_bytes), True)
     down = tr.linear(prod, down_spec)
     return TracedTensor(x.elems, max(residual.size, down.size), residual.requires_grad or down.requires_grad)
 

@@ -72,8 +72,9 @@ def _traced_step_peak(cfg: TrainConfig, precision: str, arch: Architecture, num_
                       size: int, pixels: int) -> StepPeak:
     from ..models.loading import meta_model
 
-    params = parameter_bytes(cfg, arch, num_labels)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    params = parameter_bytes(cfg, arch, num_labels, precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16,
+             "fp8": torch.bfloat16}.get(precision, torch.float32)
     model = meta_model(cfg.model, IMG_CLS, num_labels, local_only=False)
     if cfg.method == "full":
         model.requires_grad_(True)
@@ -111,4 +112,7 @@ def _traced_step_peak(cfg: TrainConfig, precision: str, arch: Architecture, num_
         notes.append(f"{precision}: traced with the model in {precision} (autocast's fp32 copies not counted)")
     return StepPeak(weights=params.weights, gradients=params.gradients, optimizer=params.optimizer,
                     activations=acts, logits=logits_bytes, peak=params.weights + params.optimizer + top,
-                    phase="the backward", trainable=params.trainable, total=params.total, notes=notes)
+                    phase="the backward", trainable=params.trainable, total=params.total, notes=notes,
+                    master_weights=params.master_weights, param_bytes=params.param_bytes,
+                    run_tensors=params.weights + params.optimizer + max(earlier + acts + 4 * cfg.micro_batch_size
+                                                                        * num_labels, params.gradients))
