@@ -192,6 +192,8 @@ class Verdict:
     scale_min: Optional[float] = None
     eval_diff: Optional[tuple[str, float]] = None   # ("eval_loss" | "eval_accuracy", variant - reference)
     stopped_reason: Optional[str] = None
+    lost_updates: Optional[float] = None    # share of the sampled weight updates the weights' dtype lost
+    lost_updates_text: Optional[str] = None  # the sentence about them (engine.doctor.lost_updates_line), if reported
     seed_wall_s: dict[int, float] = field(default_factory=dict)   # the reference's: what its seed runs took
     parts: list[str] = field(default_factory=list)
 
@@ -246,17 +248,22 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
             band: Optional[SeedBand] = None, eval_history: Any = None,
             reference_eval_history: Any = None, scaler: Optional[bool] = None,
             initial_scale: Optional[float] = None, seed_wall_s: Optional[Mapping[int, float]] = None,
-            aa_timings: Sequence[float] = ()) -> Verdict:
+            aa_timings: Sequence[float] = (), lost_updates_text: Optional[str] = None) -> Verdict:
     """The verdict of one variant that ran, against the reference run (and the seed band when given).
 
     ``initial_scale`` is the loss scale before the first step (the history holds each step's scale after its
     update); ``seed_wall_s`` (seed -> seconds) is what the reference's seed runs cost, stated in its verdict;
     ``aa_timings`` (an identical copy of the reference timed in each repeat) sets the speed's noise floor.
+    ``lost_updates_text`` (engine.doctor.lost_updates_line of the run, None when too few updates were lost to
+    report) is said after the loss: it is why a loss of bf16-pure weights can stand still.
     """
     v = Verdict(name, reference, is_reference=(name == reference))
     v.stopped_reason = summary.get("stopped_reason")
     v.skipped_steps = _int_or_zero(summary.get("skipped_steps"))
     v.nonfinite_steps = _int_or_zero(summary.get("nonfinite_steps"))
+    lost = summary.get("lost_updates")
+    v.lost_updates = float(lost) if lost is not None and math.isfinite(float(lost)) else None
+    v.lost_updates_text = lost_updates_text or None
     scales = _series(history, "scale").dropna()
     if len(scales):
         v.scale_first, v.scale_last = float(scales.iloc[0]), float(scales.iloc[-1])
@@ -307,6 +314,8 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
                 v.eval_diff = (col, float(ev.iloc[-1]))
                 v.parts.append(_eval_text(col, v.eval_diff[1], reference))
                 break
+    if v.lost_updates_text:
+        v.parts.append(v.lost_updates_text)
     if scaler or v.scale_first is not None:
         drop = (f" (scale {_scale_text(v.scale_first)} → {_scale_text(v.scale_min)})"
                 if v.scale_first is not None and v.scale_min is not None and v.scale_min < v.scale_first else "")

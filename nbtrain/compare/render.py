@@ -22,10 +22,15 @@ from .. import verdicts as _verdicts
 from .._version import __version__
 from ..hardware import capabilities
 
-_TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "steps", "order",
-                 "wall_s", "tokens_per_s", "speedup", "speedup_spread", "peak_vram_gib", "peak_host_rss_gib",
-                 "peak_host_tensors_gib", "final_loss", "eval_loss", "eval_perplexity", "eval_accuracy",
-                 "max_abs_loss_diff", "skipped_steps", "nonfinite_steps", "min_scale", "fair")
+_TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "optimizer",
+                 "weights_dtype", "steps", "order", "wall_s", "tokens_per_s", "speedup", "speedup_spread",
+                 "peak_vram_gib", "peak_host_rss_gib", "peak_host_tensors_gib", "est_weights_gib",
+                 "est_master_weights_gib", "est_gradients_gib", "est_optimizer_gib", "est_total_gib", "final_loss",
+                 "eval_loss", "eval_perplexity", "eval_accuracy", "max_abs_loss_diff", "skipped_steps",
+                 "nonfinite_steps", "min_scale", "lost_updates", "fair")
+# Columns the text view shows only where the variants differ in them (a setting they all share says nothing).
+_TEXT_IF_DIFFERENT = ("micro_batch", "grad_accum", "method", "optimizer", "weights_dtype", "est_weights_gib",
+                      "est_master_weights_gib", "est_gradients_gib", "est_optimizer_gib", "est_total_gib")
 MISSING = "—"   # the one marker for "no value" in the HTML views
 
 
@@ -65,7 +70,10 @@ _FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.
             "noise_floor": "±{:.1%}", "peak_vram_gib": _fmt_gib,
             "peak_host_rss_gib": _fmt_gib, "peak_host_tensors_gib": _fmt_gib, "final_loss": "{:.4f}",
             "eval_loss": "{:.4f}", "eval_perplexity": "{:.1f}", "eval_accuracy": "{:.3f}",
-            "max_abs_loss_diff": "{:.2e}", "max_rel_loss_diff": "{:.2e}", "min_scale": _fmt_scale}
+            "max_abs_loss_diff": "{:.2e}", "max_rel_loss_diff": "{:.2e}", "min_scale": _fmt_scale,
+            "lost_updates": "{:.1%}", "est_weights_gib": _fmt_gib, "est_master_weights_gib": _fmt_gib,
+            "est_gradients_gib": _fmt_gib, "est_optimizer_gib": _fmt_gib, "est_activations_gib": _fmt_gib,
+            "est_logits_gib": _fmt_gib, "est_total_gib": _fmt_gib}
 
 # The compact view: its columns and their headers, split in two lines where a header is longer than the values
 # under it, so that every column stays narrow and ten of them fit a 968 px notebook output.
@@ -73,6 +81,9 @@ _COMPACT_HEADERS = {"variant": ("Variant",), "precision": ("Precision",),
                     "tokens_per_s": ("Tokens/s", "(speed-up)"), "memory": ("Peak memory", "(GiB)"), "final_loss": ("Final", "loss"), "eval": ("Eval", "loss"),
                     "loss_diff": ("Max |Δ loss|", "vs reference"), "skipped": ("Skipped /", "non-finite"),
                     "min_scale": ("Min", "scale"), "fair": ("Fair",)}
+# Shown after the precision only where the variants differ in them: which optimizer, and the dtype the trainable
+# weights are stored in (fp32 with a master copy under autocast; bf16 under bf16-pure).
+_COMPACT_IF_DIFFERENT = {"optimizer": ("Optimizer",), "weights_dtype": ("Weights",)}
 _MEMORY_NOTES = {
     "vram": "accelerator memory the run allocated (its peak)",
     "tensors": "what the run's own tensors took at their peak (the process's resident memory, which grows "
@@ -143,6 +154,8 @@ class ComparisonViews:
             cells = {
                 "variant": r.variant,
                 "precision": str(r.precision_used),
+                "optimizer": MISSING if pd.isna(r.optimizer) else str(r.optimizer),
+                "weights_dtype": MISSING if pd.isna(r.weights_dtype) else str(r.weights_dtype),
                 "tokens_per_s": tps,
                 "memory": _cell(mem, _fmt_gib),
                 "final_loss": _loss_cell(s.get("final_loss")),
@@ -157,20 +170,26 @@ class ComparisonViews:
         return rows
 
     def _compact_headers(self) -> dict[str, tuple[str, ...]]:
-        heads = dict(_COMPACT_HEADERS)
+        heads = {}
+        for key, lines in _COMPACT_HEADERS.items():
+            heads[key] = lines
+            if key == "precision":
+                heads.update({k: v for k, v in _COMPACT_IF_DIFFERENT.items()
+                              if k in self.table.columns and self.table[k].nunique(dropna=True) > 1})
         if self._eval_column() == "eval_accuracy":
             heads["eval"] = ("Eval", "accuracy")
         return heads
 
     def compact_table(self) -> pd.DataFrame:
         """The table a person reads at a glance: ten columns of display strings, human headers, "—" where
-        there is no value. The variant's cell says how a run that did not finish ended. Every column and
+        there is no value (and the optimizer and the weights' dtype after the precision where the variants differ
+        in them). The variant's cell says how a run that did not finish ended. Every column and
         the raw numbers stay in ``table``; the notes are in ``notes``."""
         heads = self._compact_headers()
         data = []
         for name, status, cells in self._compact_rows():
             cells = {**cells, "variant": f"{name} ({status})" if status else name}
-            data.append({" ".join(heads[k]): v for k, v in cells.items()})
+            data.append({" ".join(lines): cells[k] for k, lines in heads.items()})
         return pd.DataFrame(data, columns=[" ".join(h) for h in heads.values()])
 
     def _compact_html(self) -> str:
@@ -261,7 +280,8 @@ class ComparisonViews:
         """One line per variant, above the table: its verdict, the variant's name in bold."""
         items = []
         for name, v in self.verdicts.items():
-            flagged = v.within_noise is False or v.nonfinite_steps or v.skipped_steps or not v.ran
+            flagged = (v.within_noise is False or v.nonfinite_steps or v.skipped_steps or not v.ran
+                       or bool(v.lost_updates_text))
             color = "#b45309" if flagged else "#222"
             rest = v.text[len(name) + 2:]
             items.append(f'<li style="color:{color}"><b>{html.escape(name)}</b>: {html.escape(rest)}</li>')
@@ -311,7 +331,7 @@ class ComparisonViews:
         verdict below it."""
         # Leave out what says nothing here: settings every variant shares, a status every run reached.
         cols = [c for c in _TEXT_COLUMNS if c in self.table.columns
-                and not (c in ("micro_batch", "grad_accum", "method") and self.table[c].nunique() <= 1)
+                and not (c in _TEXT_IF_DIFFERENT and self.table[c].nunique() <= 1)
                 and not (c == "status" and all(v == "finished" for v in self.completion.values()))
                 and not (c == "order" and self.repeats <= 1)]
         lines = [v.text for v in self.verdicts.values()]

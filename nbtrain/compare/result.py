@@ -20,6 +20,8 @@ import torch
 from .. import verdicts as _verdicts
 from ..config import TrainConfig
 from ..hardware import capabilities, default_device, resolve_precision
+from ..precision import PRECISION_TABLE
+from ..engine.doctor import lost_updates_line
 from ..engine.sampling import sample_frame, side_by_side
 from .render import ComparisonViews
 
@@ -43,6 +45,7 @@ class _Outcome:
     error: Optional[str] = None             # formatted traceback of a run that raised
     timings: list[tuple[float, float]] = field(default_factory=list)   # (tokens_per_s, wall_s) per repeat
     fair: Optional[bool] = None
+    estimate: Any = None                    # memory.MemoryEstimate of ``config`` (or of an unsupported one), or None
 
 
 @dataclass
@@ -130,7 +133,7 @@ def _run_notes(o: _Outcome, caps) -> list[str]:
     """Notes a finished run earns: slow precision, skipped / non-finite steps, an early stop."""
     s = o.result.summary
     notes = list(s.get("notes") or [])   # the engine's own: an out-of-memory stop, auto batch size, a resume
-    for option in (s["precision_used"], o.config.method):
+    for option in (s["precision_used"], o.config.method, o.config.optimizer):
         if caps.notes.get(option):   # name the option unless the variant is already named after it
             notes.append(caps.notes[option] if option == o.name else f"{option}: {caps.notes[option]}")
     if s["nonfinite_steps"]:
@@ -189,6 +192,9 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             "micro_batch": s.get("micro_batch_size", o.settings["micro_batch_size"]),
             "grad_accum": s.get("grad_accum_steps", o.settings["grad_accum_steps"]),
             "method": o.settings["method"],
+            # the precision of every tensor: the optimizer, and the dtype the trainable weights are stored in
+            "optimizer": s.get("optimizer") or o.settings.get("optimizer"),
+            "weights_dtype": s.get("weights_dtype") or _planned_weights_dtype(o, precision),
             "steps": s.get("steps"),
             # its 1-based position in each repeat (the order rotates from repeat to repeat)
             "order": _positions(o.name, run_order),
@@ -203,6 +209,8 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             "peak_host_rss_gib": _float_or_nan(s.get("peak_host_rss_gib")),
             # what the run's own tensors took on a CPU, where RSS is the whole process's (absent in older runs)
             "peak_host_tensors_gib": _float_or_nan(s.get("peak_host_tensors_gib")),
+            # what estimate_memory() puts on each tensor class for this variant (also for one that did not run)
+            **_estimate_columns(o.estimate),
             "final_loss": _float_or_nan(s.get("final_loss")),
             "eval_loss": _float_or_nan(s.get("eval_loss")),
         }
@@ -217,6 +225,8 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             "nonfinite_steps": s.get("nonfinite_steps"),
             "first_nonfinite_step": s.get("first_nonfinite_step"),
             "min_scale": float(np.nanmin(scales)) if np.isfinite(scales).any() else math.nan,
+            # share of the sampled weight updates the weights' dtype lost (NaN where it was not measured)
+            "lost_updates": _float_or_nan(s.get("lost_updates")),
             "init_hash": s.get("init_hash"),
             "data_hash": s.get("data_hash"),
             "fair": o.fair,
@@ -232,6 +242,33 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
     table["speed_measurable"] = table["speed_measurable"].astype("boolean")
     return table
 
+
+
+# MemoryEstimate attribute -> table column: the estimate's GiB per tensor class, then its peak. The master weights
+# are the part of the weights that is the fp32 copy the optimizer updates (0 under fp32 and bf16-pure): a share of
+# est_weights_gib, not added to it.
+ESTIMATE_COLUMNS = {"weights_gib": "est_weights_gib", "master_weights_gib": "est_master_weights_gib",
+                    "gradients_gib": "est_gradients_gib", "optimizer_gib": "est_optimizer_gib",
+                    "activations_gib": "est_activations_gib", "logits_gib": "est_logits_gib",
+                    "total_gib": "est_total_gib"}
+
+
+def _estimate_columns(est: Any) -> dict[str, float]:
+    """The estimate's GiB per tensor class as table columns; NaN where there is no estimate (or, for an estimate
+    made before issue 27, no master-weights figure)."""
+    return {col: _float_or_nan(getattr(est, attr, None)) if est is not None else math.nan
+            for attr, col in ESTIMATE_COLUMNS.items()}
+
+
+def _planned_weights_dtype(o: _Outcome, precision: Optional[str]) -> Optional[str]:
+    """The trainable weights' dtype of a variant that did not run: the estimate's, else the precision table's."""
+    dtype = getattr(o.estimate, "weights_dtype", None)
+    if dtype:
+        return str(dtype)
+    spec = PRECISION_TABLE.get(precision or "")
+    if spec is None:
+        return None
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(spec.param_dtype)
 
 
 def _positions(name: str, run_order: Sequence[Sequence[str]]) -> Optional[str]:
@@ -327,7 +364,10 @@ class ComparisonResult(ComparisonViews):
             timings=[t for t, _ in o.timings], reference_timings=[t for t, _ in self.timings[self.reference]],
             band=self.band, eval_history=res.eval_history, reference_eval_history=ref.eval_history,
             scaler=scaler, initial_scale=_initial_scale(res.history) if scaler else None,
-            seed_wall_s=self.seed_wall_s, aa_timings=self.aa_timings)
+            seed_wall_s=self.seed_wall_s, aa_timings=self.aa_timings,
+            lost_updates_text=lost_updates_line(res.summary.get("precision_used") or o.config.precision,
+                                                res.summary.get("lost_updates_by_step"),
+                                                bool(o.config.stochastic_rounding)))
         if o.fair is False:
             v.parts.append(f"NOT FAIR: not paired with {self.reference} (see its notes)")
         return v

@@ -35,6 +35,9 @@ from .result import _COMPLETE, _CUT, ComparisonResult, _Outcome, _Schedule, _See
 
 # Config fields that change the initial weights on purpose (a LoRA adapter adds weights, QLoRA
 # quantises them, another model is another model). A differing init hash they explain is expected.
+# precision, optimizer and stochastic_rounding are not here: the engine hashes the weights before it casts them to
+# bf16 (bf16-pure) or converts their linears to float8 (fp8), and the optimizer never touches the initial weights,
+# so such variants share the reference's init hash, and one that does not is NOT FAIR.
 INIT_FIELDS = ("model", "task", "data", "label_column", "method", "lora_r", "lora_alpha", "lora_targets",
                "quant_bits")
 # Config fields that change the examples of the optimizer steps on purpose. The engine's data hash covers
@@ -163,10 +166,17 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
 
 
 def _configure(o: _Outcome, base: TrainConfig) -> None:
-    """``o.config``: the base with the variant's overrides, or status "unsupported" and the reason."""
+    """``o.config``: the base with the variant's overrides, or status "unsupported" and the reason; and
+    ``o.estimate``, the memory estimate of that config (also of one this device cannot run)."""
     try:
         run_cfg = base.replace(**o.overrides)
-        check_runnable(run_cfg)   # a precision or method this device cannot run is a row, not a failure
+    except ConfigError as e:
+        o.status = "unsupported"
+        o.notes.append(_config_reason(e))
+        return
+    o.estimate = _estimate(run_cfg)
+    try:
+        check_runnable(run_cfg)   # a precision, method or optimizer this device cannot run is a row, not a failure
     except ConfigError as e:
         o.status = "unsupported"
         o.notes.append(_config_reason(e))
@@ -174,6 +184,18 @@ def _configure(o: _Outcome, base: TrainConfig) -> None:
     o.config = run_cfg
     if base.output_dir:  # one folder per variant, or they would overwrite each other's outputs
         o.config = run_cfg.replace(output_dir=str(Path(base.output_dir) / _slug(o.name)))
+
+
+def _estimate(cfg: TrainConfig):
+    """The memory estimate of ``cfg`` by tensor class (weights, master weights, gradients, optimizer state,
+    activations, logits), from its model config alone; None when there is none (a model whose config cannot be
+    read here, a model kind the estimator does not know): the run then says what is wrong, not the estimate."""
+    try:
+        from ..memory import estimate_memory
+
+        return estimate_memory(cfg)
+    except Exception:  # noqa: BLE001 - an estimate is a column of the table, never a reason for a run to fail
+        return None
 
 
 def _aa_copy(ref: _Outcome, names: list[str], schedule: _Schedule) -> Optional[_Outcome]:
