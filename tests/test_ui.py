@@ -69,6 +69,8 @@ CHANGES = {
     "lean_layers": (True, True),
     "lr": (1e-3, 1e-3),
     "weight_decay": (0.01, 0.01),
+    "optimizer": ("sgd", "sgd"),
+    "stochastic_rounding": (True, True),
     "scheduler": ("linear", "linear"),
     "warmup_steps": (10, 10),
     "max_steps": ("7", 7),
@@ -110,8 +112,10 @@ def test_every_field_has_a_control_and_a_test_case():
 
 @pytest.mark.parametrize("field", list(CHANGES))
 def test_setting_a_control_changes_that_field(field):
-    # save_every is only valid with an output_dir (checkpoints go there), so that one starts from a config with it
-    base = TrainConfig(output_dir="/tmp/nbtrain-out") if field == "save_every" else TrainConfig()
+    # save_every is only valid with an output_dir (checkpoints go there), stochastic_rounding only with bf16-pure
+    # weights: those start from a config that allows them
+    bases = {"save_every": {"output_dir": "/tmp/nbtrain-out"}, "stochastic_rounding": {"precision": "bf16-pure"}}
+    base = TrainConfig(**bases.get(field, {}))
     panel = Panel(base, debounce_s=0)
     value, expected = CHANGES[field]
     panel.controls[field].value = value

@@ -14,6 +14,9 @@ from typing import Any, Optional
 import ipywidgets as widgets
 import traitlets
 
+from ..config import OPTIMIZERS
+from ..hardware import PRECISIONS
+
 # Sized for JupyterLab's 13 px widget font (about 7 px a character): every description fits its 170 px
 # (up to ~22 characters), and a 390 px control leaves ~500 px of a 968 px output for the help beside it.
 # Fields that hold paths or lists get the wide box, so a typical value is readable without scrolling in it.
@@ -192,9 +195,15 @@ def _with_widget(codec: Codec, make: Callable[[], widgets.Widget]) -> Codec:
 _NONFINITE_DEFAULT = "default"
 
 
+OPTIMIZER_LABELS = {"adamw": "AdamW", "adamw_8bit": "AdamW 8-bit", "paged_adamw_8bit": "paged AdamW 8-bit",
+                    "adafactor": "Adafactor", "sgd": "SGD"}
+
+
 def make_codecs(model_options: list[str], data_options: list[str], precision_disabled: dict,
-                method_disabled: dict, precision_tips: dict, method_tips: dict) -> dict[str, Codec]:
-    """A codec for every TrainConfig field, in declaration order."""
+                method_disabled: dict, precision_tips: dict, method_tips: dict,
+                optimizer_disabled: Optional[dict] = None, optimizer_tips: Optional[dict] = None) -> dict[str, Codec]:
+    """A codec for every TrainConfig field, in declaration order. ``*_disabled`` maps an option this machine
+    cannot run to the reason (its button is greyed with it), ``*_tips`` an option to its tooltip."""
     return {
         "model": Codec(_combo("Model", model_options, "preset, Hub id (org/name) or local directory")),
         "task": Codec(_dropdown("Task", [("causal LM (next token)", "causal-lm"),
@@ -206,8 +215,11 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "image_column": Codec(_text("Image column")),
         "max_seq_len": Codec(_int("Max seq len (tokens)")),
         "subset": _with_widget(_optional_int("all examples"), _text("Subset (examples)", "all")),
-        "precision": Codec(lambda: Choice(("auto", "fp32", "tf32", "fp16", "bf16"), description="Precision",
+        "precision": Codec(lambda: Choice(("auto", *PRECISIONS), description="Precision",
                                           disabled=precision_disabled, tooltips=precision_tips)),
+        "optimizer": Codec(lambda: Choice(OPTIMIZERS, labels=OPTIMIZER_LABELS, description="Optimizer",
+                                          disabled=optimizer_disabled, tooltips=optimizer_tips)),
+        "stochastic_rounding": Codec(_check("Stochastic rounding")),
         "micro_batch_size": Codec(_int("Micro batch (examples)")),
         "grad_accum_steps": Codec(_int("Accumulation steps")),
         "method": Codec(lambda: Choice(("full", "lora", "qlora"), labels={"lora": "LoRA", "qlora": "QLoRA"},

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import ipywidgets as widgets
 
-from ..config import ConfigError, TrainConfig
+from ..config import OPTIMIZERS, ConfigError, TrainConfig
 from ..hardware import PRECISIONS
 from . import render
 from .controls import Choice, Codec, make_codecs, yaml_codec
@@ -25,7 +25,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Model": ("model", "task"),
     "Data": ("data", "data_format", "columns", "chat_template", "train_on", "text_column", "label_column",
              "image_column", "max_seq_len", "subset", "packing", "eval_fraction"),
-    "Precision": ("precision",),
+    "Precision": ("precision", "optimizer", "stochastic_rounding"),
     "Accumulation": ("micro_batch_size", "grad_accum_steps", "auto_batch_size"),
     "Method": ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
                "gradient_checkpointing", "lean_layers"),
@@ -40,6 +40,18 @@ PRECISION_HINTS: dict[str, str] = {
     "tf32": "fp32 storage, matmuls with a 10-bit mantissa on tensor cores (Ampere+)",
     "fp16": "needs loss scaling (GradScaler); overflow above 65504",
     "bf16": "fp32 range, less mantissa (8 bits); no loss scaling needed",
+    "bf16-pure": "weights, gradients and optimizer state in bf16, no fp32 master copy: least memory, but updates "
+                 "below a weight's bf16 spacing are lost (stochastic rounding keeps them on average)",
+    "fp8": "float8 matmuls in the linear layers (torchao; fp8 tensor cores, compute 8.9+), bf16 autocast "
+           "elsewhere, fp32 master weights",
+}
+
+OPTIMIZER_HINTS: dict[str, str] = {
+    "adamw": "torch AdamW (fused on CUDA): two states per weight, in the weights' dtype",
+    "adamw_8bit": "bitsandbytes 8-bit AdamW: both states in 8 bits (blockwise scales), a quarter of AdamW's",
+    "paged_adamw_8bit": "8-bit AdamW whose state pages to host memory under pressure (CUDA unified memory)",
+    "adafactor": "factored second moment (a row and a column per matrix), no momentum: the least state",
+    "sgd": "SGD with momentum 0.9: one state per weight",
 }
 
 METHOD_HINTS: dict[str, str] = {
@@ -51,7 +63,19 @@ METHOD_HINTS: dict[str, str] = {
 # A model is a directory (or a preset, or a Hub id): a value ending like one of its files is a mistyped path.
 _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
-_MACHINE_FIELDS = ("precision", "method")   # what capabilities() can rule out on this machine
+_MACHINE_FIELDS = ("precision", "method", "optimizer")   # what capabilities() can rule out on this machine
+
+
+def rounding_unavailable(precision: str, optimizer: str) -> str:
+    """Why stochastic rounding cannot be ticked with these settings ("" when it can): TrainConfig's own rule."""
+    why = []
+    if precision != "bf16-pure":
+        # every other precision (auto included: it resolves to bf16, fp16 or fp32) keeps fp32 weights
+        why.append(f"it rounds bf16 weights, so it needs precision bf16-pure (now {precision}, whose weights "
+                   "are fp32)")
+    if optimizer != "adamw":
+        why.append(f"it is built into AdamW's update, so it needs optimizer adamw (now {optimizer})")
+    return "; ".join(why)
 
 
 def section_of(field: str) -> str:
@@ -226,6 +250,7 @@ class Form:
         self.precision_info = widgets.HTML()
         self.accumulation_info = widgets.HTML()
         self.method_info = widgets.HTML()
+        self.optimizer_info = widgets.HTML()
         self.error = widgets.HTML()
         self.tabs = self._build_tabs()
         for w in self.controls.values():
@@ -247,10 +272,14 @@ class Form:
         tips = {p: PRECISION_HINTS[p] + (f" ({caps.notes[p]})" if p in caps.notes else "")
                 for p in PRECISION_HINTS}
         tips["auto"] = f"{PRECISION_HINTS['auto']}; here: {caps.auto_precision}"
+        notes = getattr(caps, "notes", {}) or {}
+        optimizer_tips = {o: OPTIMIZER_HINTS.get(o, o) + (f" ({notes[o]})" if o in notes else "") for o in OPTIMIZERS}
         codecs = make_codecs(presets, builtins,
                              precision_disabled={p: caps.reasons[p] for p in PRECISIONS if p in caps.reasons},
                              method_disabled={m: caps.reasons[m] for m in METHOD_HINTS if m in caps.reasons},
-                             precision_tips=tips, method_tips=METHOD_HINTS)
+                             precision_tips=tips, method_tips=METHOD_HINTS,
+                             optimizer_disabled={o: caps.reasons[o] for o in OPTIMIZERS if o in caps.reasons},
+                             optimizer_tips=optimizer_tips)
         # A field this module has no codec for still gets a (YAML text) control.
         return {name: codecs.get(name) or yaml_codec(name) for name in TrainConfig.model_fields}
 
@@ -263,10 +292,12 @@ class Form:
     def _build_tabs(self) -> widgets.Tab:
         extra = {"Model": [self.model_info], "Data": [self.data_info], "Precision": [self.precision_info],
                  "Accumulation": [self.accumulation_info], "Method": [self.method_info]}
+        # an info line right under a field that is not the first of its section
+        after = {"optimizer": [self.optimizer_info]}
         placed = {f for fields in SECTIONS.values() for f in fields}
         pages = []
         for section, fields in SECTIONS.items():
-            rows = [self.rows[f] for f in fields]
+            rows = [w for f in fields for w in (self.rows[f], *after.get(f, []))]
             if section == "Training":
                 rows += [self.rows[f] for f in self.controls if f not in placed]
             # The info line sits right under the field it explains (the first one of the section).
@@ -358,6 +389,9 @@ class Form:
         self._update_data_info(raw)
         self.precision_info.value = render.precision_info_html(self.caps, raw["precision"], PRECISION_HINTS,
                                                                PRECISIONS)
+        self.optimizer_info.value = render.optimizer_info_html(self.caps, raw["optimizer"], OPTIMIZER_HINTS,
+                                                               OPTIMIZERS)
+        self._update_rounding(raw)
         self._update_accumulation_info(raw)
         self._update_method_fields(raw)
         self.show_errors(self.validate()[1])
@@ -442,6 +476,18 @@ class Form:
         self.accumulation_info.value = render.accumulation_info_html(
             raw["micro_batch_size"], raw["grad_accum_steps"], raw["max_seq_len"], raw["task"], raw["packing"],
             steps)
+
+    def _update_rounding(self, raw: dict) -> None:
+        """Stochastic rounding applies to bf16-pure weights updated by AdamW only: otherwise its box is greyed with
+        why. A box that is ticked where it does not apply stays clickable (the error box says why), so that it can
+        be unticked: the panel never changes a value behind the user's back."""
+        box, why = self.controls["stochastic_rounding"], rounding_unavailable(raw["precision"], raw["optimizer"])
+        box.disabled = bool(why) and not box.value
+        box.tooltip = f"unavailable: {why}" if why else help_text("stochastic_rounding")
+        line = render.esc(help_text("stochastic_rounding"))
+        if why:
+            line += f" · <span style='color:{render.AMBER}'>unavailable: {render.esc(why)}</span>"
+        self.help["stochastic_rounding"].value = render.small(line)
 
     def _update_method_fields(self, raw: dict) -> None:
         method = raw["method"]

@@ -32,6 +32,18 @@ from .runner import Runner
 __all__ = ["Panel", "SECTIONS", "section_of"]
 
 
+def _tensors_line(est, cfg: TrainConfig) -> str:
+    """What the readout adds to an estimate that does not name the optimizer and the weights' dtype itself (one made
+    before the estimate knew them): both, from the config and the precision table; "" otherwise."""
+    if getattr(est, "optimizer", None) is not None and getattr(est, "weights_dtype", None) is not None:
+        return ""   # estimate_html shows them beside the weights and the optimizer state
+    from ..hardware import resolve_precision
+    from ..precision import TENSOR_DTYPES
+
+    dtypes = TENSOR_DTYPES.get(resolve_precision(cfg.precision), {})
+    return render.small(f"optimizer {render.esc(cfg.optimizer)} · weights {render.esc(dtypes.get('weights', '?'))}")
+
+
 class Panel:
     """Widgets for every TrainConfig field, a live memory estimate, and Train / Stop / Compare buttons.
 
@@ -216,7 +228,7 @@ class Panel:
                 from ..memory import estimate_html, estimate_memory
 
                 est = estimate_memory(cfg)
-                text = estimate_html(est, self.caps.device)
+                text = estimate_html(est, self.caps.device) + _tensors_line(est, cfg)
             except Exception as e:
                 est = None
                 text = "<b>Memory</b>: " + render.small(f"no estimate for these settings: "

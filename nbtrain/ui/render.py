@@ -65,6 +65,25 @@ def precision_info_html(caps, chosen: str, hints: dict[str, str], precisions) ->
     return "<div style='line-height:1.6'>" + "<br>".join(lines) + "</div>"
 
 
+def optimizer_info_html(caps, chosen: str, hints: dict[str, str], optimizers) -> str:
+    """Every optimizer with its hint, or why this device cannot run it; the chosen one highlighted (the precision
+    line's form)."""
+    notes = getattr(caps, "notes", {}) or {}
+    lines = []
+    for o in optimizers:
+        why = caps.reasons.get(o)
+        if why:
+            line = f"<b>{esc(o)}</b>: <span style='color:{RED}'>unavailable</span> — {esc(why)}"
+        else:
+            line = f"<b>{esc(o)}</b>: {esc(hints.get(o, ''))}"
+            if o in notes:
+                line += f" {small('(' + esc(notes[o]) + ')', AMBER)}"
+        if o == chosen:
+            line = f"<span style='background:#e3f2fd'>▶ {line}</span>"
+        lines.append(line)
+    return "<div style='line-height:1.6'>" + "<br>".join(lines) + "</div>"
+
+
 def accumulation_info_html(micro: int, accum: int, seq: int, task: str, packing: bool,
                            steps: Optional[int]) -> str:
     eff = micro * accum

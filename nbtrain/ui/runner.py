@@ -21,6 +21,9 @@ from ..hardware import PRECISIONS
 from . import render
 
 MAX_EXTRA_SEEDS = 4   # each is one more run of the reference: the noise band's cost grows with it
+# Ticked for Compare at first (where this device runs them): the autocast family. bf16-pure and fp8 change the
+# weights' dtype or the matmuls' and are there to tick (fp8 off a GPU with fp8 tensor cores is emulated and slow).
+DEFAULT_COMPARE = ("fp32", "tf32", "fp16", "bf16")
 
 
 class LiveFigureOutput:
@@ -183,9 +186,9 @@ class Runner:
                                              layout=widgets.Layout(width="auto"),
                                              tooltip="run these settings once per ticked precision")
         self.compare_choices = {
-            p: widgets.Checkbox(value=p not in caps.reasons, disabled=p in caps.reasons, description=p,
-                                indent=False, layout=widgets.Layout(width="auto", margin="0 8px 0 0"),
-                                tooltip=caps.reasons.get(p) or hints[p])
+            p: widgets.Checkbox(value=p not in caps.reasons and p in DEFAULT_COMPARE, disabled=p in caps.reasons,
+                                description=p, indent=False, layout=widgets.Layout(width="auto", margin="0 8px 0 0"),
+                                tooltip=caps.reasons.get(p) or hints.get(p, p))
             for p in PRECISIONS}
         self.seeds_control = widgets.Dropdown(
             options=[("off", 0)] + [(f"{n} extra seed{'s' if n > 1 else ''}", n)
@@ -297,9 +300,14 @@ class Runner:
         self.set_status(f"comparing {', '.join(precisions)}{extra}…", render.GREY)
         callbacks = [*drawing, StatusCallback(self, job), *self.callbacks]
 
+        variants = compare_variants(cfg, precisions)
+
         def work():
             try:
-                cmp = compare(cfg, precisions=precisions, callbacks=callbacks, stop=job.stop, seeds=seeds)
+                if variants is None:
+                    cmp = compare(cfg, precisions=precisions, callbacks=callbacks, stop=job.stop, seeds=seeds)
+                else:
+                    cmp = compare(cfg, variants=variants, callbacks=callbacks, stop=job.stop, seeds=seeds)
             except BaseException as e:
                 self.finish(job, error=e)
             else:
@@ -394,6 +402,16 @@ class Runner:
                                              "data": static_bundle(cmp.difference_figure())},)
             shown.append(self.difference_view)
         self.dashboard_area.children = (*self.dashboard_area.children, *shown)
+
+
+def compare_variants(cfg, precisions: tuple[str, ...]) -> Optional[dict]:
+    """What Compare passes as ``variants``, or None to pass ``precisions`` as they are: with stochastic rounding
+    ticked (which only bf16-pure can hold), bf16-pure keeps it and every other precision runs without it, as
+    TrainConfig requires; each variant is still named after its precision."""
+    if not getattr(cfg, "stochastic_rounding", False):
+        return None
+    return {p: {"precision": p} if p == "bf16-pure" else {"precision": p, "stochastic_rounding": False}
+            for p in precisions}
 
 
 def _comparison_status(cmp) -> tuple[str, str]:
