@@ -10,7 +10,15 @@
   ``max_length``, ``packing``, ``completion_only_loss``, ``assistant_only_loss``); ``sft_config`` adds notes.
 - ``accelerate_config``: ``to_accelerate_config_yaml``, an ``accelerate launch --config_file`` for several
   processes.
-- ``mapping``: what they share (tool names for nbtrain's optimizer and schedules, notes, YAML text, the reader).
+- ``mapping``: what they share (tool names for nbtrain's optimizers and schedules, notes, YAML text, the reader).
+
+The precision of every tensor: each format writes ``cfg.optimizer`` by its transformers name
+(``mapping.OPTIM_NAMES``: adamw_torch (fused on CUDA in TrainingArguments), adamw_bnb_8bit, paged_adamw_8bit,
+adafactor, sgd with optim_args "momentum=0.9" where the format has optim_args) and reads those names (and
+transformers' aliases, ``OPTIM_IN``) back. bf16-pure is LLaMA-Factory's ``pure_bf16``, fp8 its ``fp8`` with
+``fp8_backend: torchao`` and accelerate's ``mixed_precision: fp8`` with ``fp8_config: {backend: AO}``;
+TrainingArguments has neither (bf16=False and a note), AutoTrain neither (mixed_precision bf16 and a note).
+stochastic_rounding has a key in none of them: every export names it in its notes.
 
 Instruction / chat data (``mapping.chat_format``: a named ``data_format``, or ``"auto"`` on nbtrain's builtin
 chat set; a file under ``"auto"`` exports as plain text, since an export reads no data) exports as
@@ -38,7 +46,7 @@ import os
 from typing import Any, Optional
 
 from ...config import TrainConfig
-from .accelerate_config import accelerate_config, to_accelerate_config_yaml
+from .accelerate_config import accelerate_config, accelerate_config_notes, to_accelerate_config_yaml
 from .autotrain import (
     AUTOTRAIN_FIELDS,
     autotrain_config,
@@ -54,36 +62,51 @@ from .llamafactory import (
     read_llamafactory_yaml,
     to_llamafactory_yaml,
 )
-from .mapping import CHAT_BUILTINS, NBTRAIN_ONLY, SAMPLE_FIELDS, chat_format, hf_scheduler, write_text
+from .mapping import (
+    CHAT_BUILTINS,
+    NBTRAIN_ONLY,
+    OPTIM_IN,
+    OPTIM_NAMES,
+    SAMPLE_FIELDS,
+    chat_format,
+    hf_scheduler,
+    write_text,
+)
 from .training_args import (
     nbtrain_optimizer_and_scheduler,
     peft_and_quant_configs,
     to_training_arguments,
     training_arguments_kwargs,
+    training_arguments_notes,
 )
 from .trl_sft import TRL_SFT_FIELDS, sft_config, sft_config_kwargs
 
 # the names ``export_text`` (and ``nbtrain export --to``) take
 EXPORT_FORMATS = ("training-args", "trl-sft", "llamafactory", "autotrain", "accelerate-config")
 
-__all__ = ["AUTOTRAIN_FIELDS", "CHAT_BUILTINS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY",
-           "SAMPLE_FIELDS", "TRL_SFT_FIELDS", "accelerate_config", "autotrain_config", "chat_format", "export_text",
+__all__ = ["AUTOTRAIN_FIELDS", "CHAT_BUILTINS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY", "OPTIM_IN",
+           "OPTIM_NAMES", "SAMPLE_FIELDS", "TRL_SFT_FIELDS", "accelerate_config", "accelerate_config_notes",
+           "autotrain_config", "chat_format", "export_text",
            "from_autotrain_yaml", "from_llamafactory_yaml", "hf_scheduler", "llamafactory_config",
            "llamafactory_dataset_info", "nbtrain_optimizer_and_scheduler", "peft_and_quant_configs",
            "read_autotrain_yaml", "read_llamafactory_yaml", "sft_config", "sft_config_json", "sft_config_kwargs",
            "to_accelerate_config_yaml", "to_autotrain_yaml", "to_llamafactory_yaml", "to_training_arguments",
-           "training_arguments_json", "training_arguments_kwargs"]
+           "training_arguments_json", "training_arguments_kwargs",
+           "training_arguments_notes"]
 
 
 def training_arguments_json(cfg: TrainConfig) -> dict[str, Any]:
     """The TrainingArguments keywords, plus ``peft_config`` / ``quantization_config`` when the method uses
-    them, as JSON-friendly dicts."""
+    them and ``notes`` (``training_arguments_notes``) when there are any, as JSON-friendly dicts."""
     lcfg, qcfg = peft_and_quant_configs(cfg)
     out: dict[str, Any] = {"training_arguments": training_arguments_kwargs(cfg)}
     if lcfg is not None:
         out["peft_config"] = {k: (sorted(v) if isinstance(v, set) else v) for k, v in lcfg.to_dict().items()}
     if qcfg is not None:
         out["quantization_config"] = qcfg.to_dict()
+    notes = training_arguments_notes(cfg)
+    if notes:
+        out["notes"] = notes
     return out
 
 
@@ -93,6 +116,7 @@ def sft_config_json(cfg: TrainConfig) -> dict[str, Any]:
     out = training_arguments_json(cfg)
     kw, notes = sft_config(cfg)
     out.pop("training_arguments")
+    out.pop("notes", None)   # sft_config's notes include them
     return {"sft_config": kw, **out, "notes": notes}
 
 

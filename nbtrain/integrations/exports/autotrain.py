@@ -20,6 +20,7 @@ from ...hardware import resolve_precision
 from .mapping import (
     DATA_EXTS,
     NBTRAIN_ONLY,
+    OPTIM_NAMES,
     Reader,
     chat_format,
     column,
@@ -31,6 +32,7 @@ from .mapping import (
     plain_text_chat_notes,
     sample_notes,
     scheduler_in,
+    stochastic_rounding_notes,
     targets_in,
     targets_out,
     write_text,
@@ -43,7 +45,7 @@ AUTOTRAIN_FIELDS = (
     "model", "task", "data", "text_column", "label_column", "image_column", "max_seq_len", "precision", "micro_batch_size",
     "grad_accum_steps", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
     "gradient_checkpointing", "lr", "weight_decay", "scheduler", "warmup_steps", "epochs", "max_grad_norm",
-    "log_every", "seed", "output_dir", "data_format", "columns", "chat_template", "train_on",
+    "log_every", "seed", "output_dir", "data_format", "columns", "chat_template", "train_on", "optimizer",
 )
 # AutoTrain's data.chat_template values (None: plain text) and nbtrain's names for them
 AT_CHAT_TEMPLATES = {"chatml": "chatml", "tokenizer": "auto"}
@@ -120,6 +122,19 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
         notes["precision"] = f"precision='auto' resolved to {precision!r} on this machine"
     if precision == "tf32":
         notes["precision"] = "tf32 has no AutoTrain setting; exported as mixed_precision none (fp32)"
+    elif precision == "bf16-pure":
+        notes["precision"] = ("bf16-pure has no AutoTrain setting (no pure-bf16 key: it loads the model as the "
+                              "checkpoint is); exported as mixed_precision bf16, autocast over fp32 weights "
+                              "(nbtrain's 'bf16'), and reads back as bf16")
+    elif precision == "fp8":
+        notes["precision"] = ("fp8 has no AutoTrain setting (mixed_precision is fp16, bf16 or none); exported as "
+                              "mixed_precision bf16, with the linear layers in bf16 instead of float8, and reads "
+                              "back as bf16")
+    if cfg.optimizer == "sgd":
+        notes["optimizer"] = ("optimizer='sgd': AutoTrain has no optim_args, so its sgd is the Trainer's SGD without "
+                              "momentum (nbtrain's has momentum 0.9); exported as sgd, which reads back as adamw with "
+                              "params.optimizer named")
+    notes.update(stochastic_rounding_notes(cfg, "AutoTrain"))
     if cfg.max_steps is not None:
         notes["max_steps"] = f"max_steps={cfg.max_steps}: AutoTrain trains whole epochs and has no step limit"
         notes["epochs"] = "epochs: a guess standing in for max_steps (1 unless epochs is set), check it"
@@ -190,9 +205,12 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     elif not image:
         params["max_seq_length"] = cfg.max_seq_len
     params.update(epochs=epochs, batch_size=cfg.micro_batch_size, gradient_accumulation=cfg.grad_accum_steps,
-                  lr=cfg.lr, optimizer="adamw_torch", scheduler=hf_scheduler(cfg), warmup_ratio=warmup_ratio,
-                  weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or 0.0, seed=cfg.seed,
-                  mixed_precision=precision if precision in ("fp16", "bf16") else "none",
+                  lr=cfg.lr, optimizer=OPTIM_NAMES[cfg.optimizer], scheduler=hf_scheduler(cfg),
+                  warmup_ratio=warmup_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or 0.0,
+                  seed=cfg.seed,
+                  # bf16-pure and fp8 have no AutoTrain value: bf16 is the nearest (the notes say so)
+                  mixed_precision="fp16" if precision == "fp16" else
+                  "bf16" if precision in ("bf16", "bf16-pure", "fp8") else "none",
                   logging_steps=cfg.log_every)
     if llm:
         params.update(

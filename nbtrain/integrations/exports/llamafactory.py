@@ -25,8 +25,9 @@ from ...config import ConfigError, TrainConfig, load_yaml_mapping
 from ...hardware import resolve_precision
 from .mapping import (
     DATA_EXTS,
-    FORMAT_COLUMNS,
     NBTRAIN_ONLY,
+    OPTIM_NAMES,
+    SGD_OPTIM_ARGS,
     Reader,
     chat_format,
     column,
@@ -37,6 +38,7 @@ from .mapping import (
     plain_text_chat_notes,
     sample_notes,
     scheduler_in,
+    stochastic_rounding_notes,
     targets_in,
     targets_out,
     unknown_columns_note,
@@ -51,7 +53,7 @@ LLAMAFACTORY_FIELDS = (
     "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits", "gradient_checkpointing",
     "lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm", "packing",
     "eval_fraction", "eval_every", "log_every", "seed", "output_dir", "save_every",
-    "data_format", "columns", "chat_template", "train_on",
+    "data_format", "columns", "chat_template", "train_on", "optimizer",
 )
 # nbtrain's template names that are LLaMA-Factory's too (the same prompt layout)
 LF_TEMPLATES = ("chatml", "llama3", "alpaca")
@@ -64,7 +66,7 @@ _LF_DEFAULTS = dict(
     lr_scheduler_type="linear", warmup_steps=0, num_train_epochs=3.0, max_steps=-1, max_grad_norm=1.0,
     weight_decay=0.0, seed=42, logging_steps=500, val_size=0.0, eval_strategy="no", save_strategy="steps",
     save_steps=500, output_dir="trainer_output", disable_gradient_checkpointing=False,
-    train_on_prompt=False, mask_history=False, neat_packing=False,
+    train_on_prompt=False, mask_history=False, neat_packing=False, pure_bf16=False, fp8=False, fp8_backend="auto",
 )
 
 
@@ -180,6 +182,12 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
                                                        "key (the same training without it)"))
     notes.update(sample_notes(cfg, "LLaMA-Factory"))
     notes.update(_sft_notes(cfg, fmt) if fmt else plain_text_chat_notes(cfg, "stage pt"))
+    notes.update(stochastic_rounding_notes(cfg, "LLaMA-Factory"))
+    if precision == "fp8":
+        # keyed "fp8" (no field): precision reads back as fp8, so the round trip still checks it
+        notes["fp8"] = ("fp8: LLaMA-Factory's torchao backend uses torchao's rowwise recipe and keeps embed / lm_head "
+                        "/ output / classifier layers out; nbtrain's fp8 is torchao's default tensorwise recipe with "
+                        "the output layer out (both skip sizes that are not multiples of 16)")
     model = {"model_name_or_path": cfg.model}
     if cfg.method == "qlora":
         model.update(quantization_bit=cfg.quant_bits, quantization_method="bitsandbytes")
@@ -220,8 +228,18 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
         train["max_steps"] = cfg.max_steps
     if cfg.epochs is not None:
         train["num_train_epochs"] = cfg.epochs
+    # LLaMA-Factory passes optim (and optim_args) on to TrainingArguments: transformers' names
     train.update(max_grad_norm=cfg.max_grad_norm or 0.0, weight_decay=cfg.weight_decay, seed=cfg.seed,
-                 optim="adamw_torch", bf16=precision == "bf16", fp16=precision == "fp16")
+                 optim=OPTIM_NAMES[cfg.optimizer])
+    if cfg.optimizer == "sgd":
+        train["optim_args"] = SGD_OPTIM_ARGS
+    # bf16-pure: LLaMA-Factory's pure_bf16 (bf16 weights, no autocast; its web UI writes bf16 false beside it);
+    # fp8: fp8 with the torchao backend, bf16 autocast elsewhere (bf16 true, as its fp8 examples)
+    train.update(bf16=precision in ("bf16", "fp8"), fp16=precision == "fp16")
+    if precision == "bf16-pure":
+        train["pure_bf16"] = True
+    if precision == "fp8":
+        train.update(fp8=True, fp8_backend="torchao")
     if precision == "tf32":
         train["tf32"] = True
     evals: dict[str, Any] = {"eval_strategy": "steps" if cfg.eval_every else "no"}
@@ -383,17 +401,11 @@ def _read_llamafactory(path, overrides):
         kw["log_every"] = int(log)
     else:
         r.reject("logging_steps", log, "a ratio of the run; nbtrain's log_every counts steps")
-    optimizer_in(r, "optim")
+    optimizer_in(r, "optim", "optim_args")
     if r.has("report_to") and str(r.doc["report_to"]).lower() == "none":
         r.drop("report_to")
 
-    bf16, fp16 = bool(r.take("bf16")), bool(r.take("fp16"))
-    tf32 = r.take("tf32")
-    if bf16 and fp16:
-        r.hard["precision"] = "bf16 and fp16 are both true"
-    kw["precision"] = "bf16" if bf16 else "fp16" if fp16 else "tf32" if tf32 else "fp32"
-    if tf32 and (bf16 or fp16):
-        r.unmapped["tf32"], r.why["tf32"] = tf32, f"nbtrain's {kw['precision']} does not also enable tf32"
+    _precision_in(r)
 
     gc = not bool(r.take("disable_gradient_checkpointing"))
     for key in ("gradient_checkpointing", "activation_checkpointing"):   # transformers' flags turn it on too
@@ -416,6 +428,38 @@ def _read_llamafactory(path, overrides):
     elif save != "no":
         r.unmapped["save_strategy"], r.why["save_strategy"] = save, "nbtrain saves every N steps"
     return r.finish(overrides)
+
+
+def _precision_in(r: Reader) -> None:
+    """bf16 / fp16 / tf32 / pure_bf16 / fp8 (+ fp8_backend) as precision."""
+    bf16, fp16 = bool(r.take("bf16")), bool(r.take("fp16"))
+    pure, fp8 = bool(r.take("pure_bf16")), bool(r.take("fp8"))
+    tf32 = r.take("tf32")
+    both = [k for k, v in (("pure_bf16", pure), ("fp8", fp8), ("fp16", fp16)) if v]
+    if len(both) > 1 or (bf16 and fp16):
+        names = both if len(both) > 1 else ["bf16", "fp16"]
+        r.hard["precision"] = " and ".join(names) + (" are both true" if len(names) == 2 else " are all true")
+    if pure:
+        precision = "bf16-pure"
+        if bf16:   # LLaMA-Factory then autocasts over the bf16 weights; nbtrain's bf16-pure has no autocast
+            r.unmapped["bf16"], r.why["bf16"] = True, ("with pure_bf16, bf16=True adds bf16 autocast over the bf16 "
+                                                       "weights; nbtrain's bf16-pure runs without autocast")
+    elif fp8:
+        precision = "fp8"   # bf16 autocast elsewhere, with bf16 true or not (accelerate's fp8 autocasts bf16)
+    else:
+        precision = "bf16" if bf16 else "fp16" if fp16 else "tf32" if tf32 else "fp32"
+    r.kw["precision"] = precision
+    if tf32 and precision != "tf32":
+        r.unmapped["tf32"], r.why["tf32"] = tf32, f"nbtrain's {precision} does not also enable tf32"
+    backend = r.take("fp8_backend")
+    gather = r.take("fp8_enable_fsdp_float8_all_gather")
+    if fp8:
+        if str(backend).lower() not in ("torchao", "auto"):   # auto: LLaMA-Factory builds torchao's recipe
+            r.unmapped["fp8_backend"] = backend
+            r.why["fp8_backend"] = "nbtrain's fp8 is torchao's float8 training (fp8_backend torchao)"
+        if gather:
+            r.unmapped["fp8_enable_fsdp_float8_all_gather"] = gather
+            r.why["fp8_enable_fsdp_float8_all_gather"] = "nbtrain's fp8 all-gathers in the weights' dtype"
 
 
 def _sft_in(r: Reader) -> None:

@@ -8,9 +8,23 @@ from typing import Any, Optional
 
 import yaml
 
-from ...config import ConfigError, TrainConfig
+from ...config import OPTIMIZERS, ConfigError, TrainConfig
 
-ADAMW = ("adamw_torch", "adamw_torch_fused")   # torch.optim.AdamW, what nbtrain runs
+ADAMW = ("adamw_torch", "adamw_torch_fused")   # torch.optim.AdamW, what nbtrain's optimizer="adamw" runs
+# nbtrain's optimizer -> the name transformers' TrainingArguments(optim=...) takes for the same optimizer
+# (transformers 5's OptimizerNames); LLaMA-Factory's ``optim`` and AutoTrain's ``params.optimizer`` are passed on
+# to TrainingArguments(optim=...) as they are, so all three formats write these names. The Trainer builds them
+# with nbtrain's settings: bitsandbytes' AdamW with optim_bits=8 (paged: is_paged) and torch's betas/eps;
+# Adafactor with scale_parameter=False, relative_step=False (warmup_init's default False); SGD with the momentum
+# of optim_args (SGD_OPTIM_ARGS).
+OPTIM_NAMES = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+               "adafactor": "adafactor", "sgd": "sgd"}
+# what each of those names, and transformers' aliases of them, reads back as
+OPTIM_IN = {**{v: k for k, v in OPTIM_NAMES.items()}, "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit"}
+# nbtrain's SGD momentum (nbtrain.engine.optimizers.SGD_MOMENTUM; a test keeps the two equal): the Trainer's
+# "sgd" has none unless optim_args gives it
+SGD_MOMENTUM = 0.9
+SGD_OPTIM_ARGS = f"momentum={SGD_MOMENTUM}"
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 DATA_EXTS = (".csv", ".jsonl", ".json", ".parquet", ".txt")
 # speed/memory options of nbtrain's own loop: no other tool has their keys, and a run without them computes the same
@@ -155,13 +169,57 @@ def scheduler_in(r: Reader, key: str, warmup: int) -> None:
     r.kw["warmup_steps"] = warmup
 
 
-def optimizer_in(r: Reader, key: str) -> None:
-    if r.has(key):
-        name = str(r.doc[key])
-        if name in ADAMW:
-            r.drop(key)
-        else:
-            r.reject(key, name, "nbtrain always uses torch AdamW with default betas and eps")
+def parse_optim_args(text) -> dict[str, str]:
+    """transformers' ``optim_args`` string ("momentum=0.9,nesterov=True") as a dict, as the Trainer parses it."""
+    out = {}
+    for item in str(text or "").replace(" ", "").split(","):
+        if item:
+            key, _, value = item.partition("=")
+            out[key] = value
+    return out
+
+
+def optimizer_in(r: Reader, key: str, args_key: Optional[str] = None) -> None:
+    """The tool's optimizer name (``key``; ``args_key``: its optim_args key, where the format has one) as
+    cfg.optimizer. Missing: the tool's default, transformers' AdamW (nbtrain's adamw). A name nbtrain has no
+    optimizer for, and an "sgd" whose momentum is not nbtrain's, are unmapped: nbtrain's default adamw runs."""
+    if not r.has(key):
+        return
+    value = r.doc[key]
+    name = str(value).strip().lower()
+    opt = OPTIM_IN.get(name)
+    if opt is None:
+        r.reject(key, value, f"nbtrain has no such optimizer (it has {', '.join(OPTIMIZERS)}, written "
+                             f"{', '.join(OPTIM_NAMES.values())}); nbtrain's default adamw was used")
+        return
+    if opt == "sgd":
+        args = parse_optim_args(r.doc.get(args_key)) if args_key else {}
+        try:
+            momentum = float(args.get("momentum", 0))
+        except ValueError:
+            momentum = None
+        if momentum != SGD_MOMENTUM or set(args) - {"momentum"}:
+            where = (f"with {args_key}={r.doc.get(args_key)!r}" if args_key and r.has(args_key) else
+                     f"without {args_key} (momentum 0)" if args_key else
+                     "with momentum 0 (this format has no optim_args)")
+            r.reject(key, value, f"the Trainer's sgd {where}; nbtrain's sgd is momentum {SGD_MOMENTUM} "
+                                 f"({args_key or 'optim_args'}: {SGD_OPTIM_ARGS!r}); nbtrain's default adamw was used")
+            if args_key and r.has(args_key):
+                r.reject(args_key, r.doc[args_key], f"the arguments of {key}={name!r}, which was not used")
+            return
+        if args_key:
+            r.drop(args_key)
+    r.drop(key)
+    r.kw["optimizer"] = opt
+
+
+def stochastic_rounding_notes(cfg: TrainConfig, tool: str) -> dict[str, str]:
+    """A note for stochastic_rounding, which no tool's optimizer names carry."""
+    if not cfg.stochastic_rounding:
+        return {}
+    return {"stochastic_rounding": f"stochastic_rounding=True has no {tool} equivalent: its AdamW on bf16 weights "
+                                   "rounds each update to nearest (updates below bf16's spacing are lost); not "
+                                   "exported"}
 
 
 def targets_out(targets, all_name: str) -> str:

@@ -7,6 +7,13 @@ nbtrain's decays every trainable parameter (identical when ``weight_decay=0``, t
 exact optimizer in a Trainer, pass ``Trainer(optimizers=nbtrain_optimizer_and_scheduler(cfg, model, total_steps))``.
 ``report_to`` maps name for name (the Trainer's own integrations); the Trainer's TensorBoard writes to
 ``output_dir/runs/<time>_<host>`` (or ``TENSORBOARD_LOGGING_DIR``), nbtrain's to ``output_dir/tensorboard``.
+
+The optimizer is ``optim`` (``mapping.OPTIM_NAMES``; adamw is ``adamw_torch_fused`` on CUDA, as nbtrain fuses it
+there; sgd adds ``optim_args="momentum=0.9"``). What TrainingArguments cannot say is in
+``training_arguments_notes(cfg)`` (and the training-args export's ``notes``): precision="bf16-pure" is bf16=False
+with the model loaded in bf16; precision="fp8" is bf16=False under ``accelerate launch`` with the accelerate-config
+export (mixed_precision fp8, torchao); stochastic_rounding has no optim name (``nbtrain_optimizer_and_scheduler``
+refuses it: build nbtrain's ``BF16StochasticAdamW`` by hand).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from ...config import TrainConfig
 from ...hardware import default_device, resolve_precision
 from ...models.loading import ModelError, head_module_names, meta_model
 from ...models.methods import bnb_config, lora_config
-from .mapping import hf_scheduler
+from .mapping import OPTIM_NAMES, SGD_MOMENTUM, SGD_OPTIM_ARGS, hf_scheduler
 
 
 def _checkpointing_arg(args_cls: Any = None) -> str:
@@ -43,7 +50,9 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
         gradient_accumulation_steps=cfg.grad_accum_steps,
         learning_rate=cfg.lr,
         weight_decay=cfg.weight_decay,
-        optim="adamw_torch_fused" if device == "cuda" else "adamw_torch",   # nbtrain: fused AdamW on CUDA
+        # nbtrain: fused AdamW on CUDA; the other optimizers by their transformers names
+        optim=("adamw_torch_fused" if device == "cuda" else "adamw_torch") if cfg.optimizer == "adamw"
+        else OPTIM_NAMES[cfg.optimizer],
         lr_scheduler_type=hf_scheduler(cfg),
         warmup_steps=cfg.warmup_steps,
         # 0 disables clipping; transformers 5 still measures and logs grad_norm, as nbtrain does
@@ -71,8 +80,14 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
         kw["save_steps"] = cfg.save_every
     if cfg.gradient_checkpointing:
         kw[f"{ckpt}_kwargs"] = {"use_reentrant": False}   # nbtrain's checkpointing style
+    if cfg.optimizer == "sgd":
+        kw["optim_args"] = SGD_OPTIM_ARGS   # the Trainer's SGD has no momentum unless told; nbtrain's has 0.9
     if precision in ("fp16", "bf16", "tf32"):
         kw[precision] = True
+    elif precision in ("bf16-pure", "fp8"):
+        # no autocast flag: bf16-pure loads bf16 weights instead; fp8 takes accelerate launch's mixed_precision fp8,
+        # which bf16=True would override (the notes say both)
+        kw["bf16"] = False
     if device == "cpu":
         kw["use_cpu"] = True
     if cfg.task == "image-classification":
@@ -82,16 +97,44 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
     return kw
 
 
+def training_arguments_notes(cfg: TrainConfig) -> dict[str, str]:
+    """What the TrainingArguments of ``cfg`` cannot say, or say differently: {field: note}."""
+    notes: dict[str, str] = {}
+    precision = resolve_precision(cfg.precision)
+    if cfg.precision == "auto":
+        notes["precision"] = f"precision='auto' resolved to {precision!r} on this machine"
+    if precision == "bf16-pure":
+        notes["precision"] = ("precision='bf16-pure' has no TrainingArguments flag: bf16=False (no autocast), and load "
+                              "the model in bf16, from_pretrained(..., dtype=torch.bfloat16) (torch_dtype= in "
+                              "transformers 4), so weights, gradients and the optimizer state are bf16 with no fp32 "
+                              "master (LLaMA-Factory's pure_bf16)"
+                              + ("; with LoRA, get_peft_model(..., autocast_adapter_dtype=False) keeps the adapters "
+                                 "bf16 (peft upcasts them to fp32 by default)" if cfg.method != "full" else ""))
+    elif precision == "fp8":
+        notes["precision"] = ("precision='fp8' has no TrainingArguments flag: bf16=False here, and launch the Trainer "
+                              "with accelerate launch --config_file <nbtrain export --to accelerate-config> "
+                              "(mixed_precision fp8, fp8_config backend AO: torchao float8 linears, bf16 autocast "
+                              "elsewhere); bf16=True would override the launcher's fp8")
+    if cfg.stochastic_rounding:
+        notes["stochastic_rounding"] = (
+            "stochastic_rounding=True has no optim name: the Trainer's AdamW on bf16 weights rounds to nearest "
+            "(transformers' adamw_torch_8bit with optim_args bf16_stochastic_round=True rounds stochastically but "
+            "keeps 8-bit states); pass Trainer(optimizers=(BF16StochasticAdamW(params, lr, weight_decay=..., "
+            "seed=...), scheduler)) from nbtrain.engine.optimizers")
+    return notes
+
+
 def to_training_arguments(cfg: TrainConfig, output_dir: Optional[str] = None, **overrides: Any):
     """A ``transformers.TrainingArguments`` for ``cfg``; ``overrides`` are passed on as-is.
 
     Attributes ``peft_config`` and ``quantization_config`` carry the LoRA / bitsandbytes configs (None
-    when unused). ``precision="auto"`` is resolved for this machine; the weight-decay difference is in
+    when unused), ``notes`` what the arguments cannot say (``training_arguments_notes``). ``precision="auto"`` is resolved for this machine; the weight-decay difference is in
     the module docstring. fp16 on a CPU: accelerate makes no GradScaler there, unlike nbtrain's loop, so
     only CUDA runs compare on fp16.
     """
     args = TrainingArguments(**training_arguments_kwargs(cfg, output_dir, **overrides))
     args.peft_config, args.quantization_config = peft_and_quant_configs(cfg)
+    args.notes = training_arguments_notes(cfg)
     return args
 
 
@@ -123,11 +166,30 @@ def peft_and_quant_configs(cfg: TrainConfig):
 
 
 def nbtrain_optimizer_and_scheduler(cfg: TrainConfig, model, total_steps: int):
-    """nbtrain's own AdamW (weight decay on every trainable parameter, fused on CUDA) and its schedule
-    (``transformers.get_scheduler``, as the Trainer builds it), for ``Trainer(optimizers=...)`` when the
-    Trainer must run nbtrain's optimizer exactly."""
+    """nbtrain's optimizer (``cfg.optimizer``, built as nbtrain builds it: weight decay on every trainable
+    parameter, AdamW fused on CUDA, SGD with momentum 0.9, Adafactor at the run's lr) and its schedule
+    (``transformers.get_scheduler``, as the Trainer builds it), for ``Trainer(optimizers=...)`` when the Trainer
+    must run nbtrain's optimizer exactly. stochastic_rounding is refused (the exports import nothing from nbtrain's
+    engine): pass nbtrain.engine.optimizers.BF16StochasticAdamW yourself."""
+    if cfg.stochastic_rounding:
+        raise ValueError("stochastic_rounding: build nbtrain's optimizer with nbtrain.engine.optimizers."
+                         "BF16StochasticAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed) and "
+                         "pass it with transformers.get_scheduler to Trainer(optimizers=...)")
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(params) and params[0].device.type == "cuda"
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    if cfg.optimizer == "adamw":
+        fused = bool(params) and params[0].device.type == "cuda"
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    elif cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=SGD_MOMENTUM, weight_decay=cfg.weight_decay)
+    elif cfg.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        opt = Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, scale_parameter=False, relative_step=False,
+                        warmup_init=False)
+    else:   # bitsandbytes' 8-bit AdamW (paged or not) with torch's defaults, as nbtrain builds it
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if cfg.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        opt = cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return opt, get_scheduler(hf_scheduler(cfg), opt, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=total_steps)

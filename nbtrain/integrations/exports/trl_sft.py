@@ -15,7 +15,7 @@ from typing import Any, Optional
 from ...config import TrainConfig
 from ...hardware import resolve_precision
 from .mapping import NBTRAIN_ONLY, chat_format, non_default_notes, sample_notes
-from .training_args import training_arguments_kwargs
+from .training_args import training_arguments_kwargs, training_arguments_notes
 
 # SFTConfig's own fields this export writes (besides TrainingArguments'): the names TRL's source declares
 TRL_SFT_FIELDS = ("max_length", "packing", "packing_strategy", "completion_only_loss", "assistant_only_loss",
@@ -34,11 +34,10 @@ def sft_config(cfg: TrainConfig, output_dir: Optional[str] = None,
     """``(SFTConfig keywords, notes)``; notes name what SFTConfig cannot say (or says differently)."""
     kw = training_arguments_kwargs(cfg, output_dir)
     precision = resolve_precision(cfg.precision)
-    # TRL turns bf16 on unless fp16 is set: an fp32 run must say bf16=False
+    # TRL turns bf16 on unless fp16 is set: an fp32 run must say bf16=False (and so must bf16-pure and fp8: see
+    # the notes, which are TrainingArguments' own: precision, optimizer)
     kw.update(bf16=precision == "bf16", fp16=precision == "fp16", max_length=cfg.max_seq_len, packing=cfg.packing)
-    notes: dict[str, str] = {}
-    if cfg.precision == "auto":
-        notes["precision"] = f"precision='auto' resolved to {precision!r} on this machine"
+    notes: dict[str, str] = training_arguments_notes(cfg)
     fmt = chat_format(cfg)
     if fmt is None:
         kw["dataset_text_field"] = cfg.text_column
