@@ -123,8 +123,8 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     if precision == "tf32":
         notes["precision"] = "tf32 has no AutoTrain setting; exported as mixed_precision none (fp32)"
     elif precision == "bf16-pure":
-        notes["precision"] = ("bf16-pure has no AutoTrain setting (no pure-bf16 key: it loads the model as the "
-                              "checkpoint is); exported as mixed_precision bf16, autocast over fp32 weights "
+        notes["precision"] = ("bf16-pure has no AutoTrain setting (no key loads the weights in bf16 for training "
+                              "without autocast); exported as mixed_precision bf16, autocast over fp32 weights "
                               "(nbtrain's 'bf16'), and reads back as bf16")
     elif precision == "fp8":
         notes["precision"] = ("fp8 has no AutoTrain setting (mixed_precision is fp16, bf16 or none); exported as "
