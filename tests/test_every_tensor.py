@@ -348,3 +348,14 @@ def test_records_and_collect_are_unchanged_by_the_new_precisions(small):
     c = Collect()
     nbt.train(small.replace(precision="bf16-pure", max_steps=2), callbacks=[c])
     assert [r.step for r in c.records] == [1, 2] and all(r.scale is None for r in c.records)
+
+
+def test_fp8_with_lora_converts_the_frozen_base_not_the_adapters(small):
+    from torchao.float8.float8_linear import Float8Linear
+
+    r = nbt.train(small.replace(precision="fp8", method="lora", max_steps=2))
+    mods = dict(r.model.named_modules())
+    converted = [n for n, m in mods.items() if isinstance(m, Float8Linear)]
+    assert converted and all(n.endswith("base_layer") for n in converted)
+    assert not any(isinstance(m, Float8Linear) for n, m in mods.items() if "lora_" in n)
+    assert r.history.loss.notna().all() and r.summary["stopped_reason"] == "max_steps"
