@@ -53,3 +53,14 @@ def inject_inf(monkeypatch, on_forward_calls):
 
     after_build(monkeypatch, lambda model: model.register_forward_hook(hook))
     return calls
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a tied weight counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total

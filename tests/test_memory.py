@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from .helpers import storage_bytes as _storage_bytes
 from nbtrain.config import TrainConfig
 from nbtrain.data.batching import MicroBatch
 from nbtrain.engine.losses import micro_loss_sum
@@ -23,17 +24,6 @@ from nbtrain.models.lean import lean_layers
 def _cfg(**kw) -> TrainConfig:
     base = dict(model="tiny", max_seq_len=64, micro_batch_size=4, precision="fp32", max_steps=1)
     return TrainConfig(**{**base, **kw})
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a tied weight counts once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
 
 
 def _quant_state_tensors(model) -> list[torch.Tensor]:

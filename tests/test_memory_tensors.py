@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from .helpers import storage_bytes as _storage_bytes
 import nbtrain as nbt
 from nbtrain.config import TrainConfig
 from nbtrain.data.batching import MicroBatch
@@ -58,16 +59,6 @@ def boundary_model(tmp_path_factory):
 def _cfg(**kw) -> TrainConfig:
     base = dict(model="tiny", max_seq_len=64, micro_batch_size=4, precision="fp32", max_steps=1)
     return TrainConfig(**{**base, **kw})
-
-
-def _storage_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
 
 
 def _step(model, cfg: TrainConfig, opt, tracker: RunTensorBytes) -> tuple[int, float]:
