@@ -43,6 +43,10 @@ DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "messages", "prompt-c
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 CHAT_TEMPLATES = ("auto", "chatml", "llama3", "alpaca")   # or a literal Jinja template string
 TrainOn = Literal["completion", "last", "all"]
+# how several processes hold the model: none (each a full copy, DDP) or fsdp (FSDP2 fully_shard: weights, gradients
+# and optimizer state split over the ranks)
+Sharding = Literal["none", "fsdp"]
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
 TRACKERS: tuple[str, ...] = get_args(Tracker)
 
 
@@ -156,6 +160,13 @@ class TrainConfig(BaseModel):
                                                               "history) every N steps into output_dir")
     resume_from: Optional[str] = Field(None, description="a checkpoint directory, or output_dir: continue that run "
                                                          "exactly")
+    # -- several processes (torchrun / accelerate launch / nbt.launch) ---------------------------------------
+    sharding: Sharding = Field("none", description="several processes: none (DDP: every rank holds the whole model) "
+                               "or fsdp (FSDP2: weights, gradients and optimizer state sharded over the ranks); "
+                               "one process: nothing to shard")
+    reshard_after_forward: bool = Field(True, description="fsdp: free each layer's gathered weights after its "
+                                        "forward and gather them again in backward (less memory, one more "
+                                        "all-gather per layer)")
     # -- instruction tuning (causal LM on chat / instruction data) --------------------------------------------
     data_format: DataFormat = Field("auto", description="how rows are laid out: auto (from the columns), text, "
                                     "alpaca (instruction/input/output), sharegpt (conversations), messages "
@@ -345,10 +356,30 @@ class TrainConfig(BaseModel):
         if self.precision == "fp8" and self.lean_layers:
             raise ValueError("lean_layers: its MLP computes the down projection itself, which would bypass fp8's "
                              "float8 matmul there; set lean_layers=False with precision='fp8'")
+        if self.sharding == "fsdp":
+            self._check_fsdp()
         if self.save_every and not self.output_dir:
             raise ValueError(f"save_every: {self.save_every} needs output_dir to be set (checkpoints go to "
                              "output_dir/checkpoints)")
         return self
+
+    def _check_fsdp(self) -> None:
+        """What FSDP2 sharding does not compose with here, refused before anything loads, each with its reason."""
+        refused = {
+            "method": (self.method == "qlora", "QLoRA's 4/8-bit bitsandbytes weights are not sharded by "
+                       "fully_shard here; use method='lora' (its frozen base is sharded too) or sharding='none'"),
+            "optimizer": (self.optimizer in ("adamw_8bit", "paged_adamw_8bit"), f"{self.optimizer}'s bitsandbytes "
+                          "kernels step whole tensors, not FSDP's shards; use optimizer='adamw' or 'sgd' (the "
+                          "state is sharded anyway: 1/N of it per rank)"),
+            "chunked_loss": (self.chunked_loss, "the chunked loss calls the decoder and the output layer apart, "
+                             "outside FSDP's root forward that gathers them; set chunked_loss=False"),
+            "auto_batch_size": (self.auto_batch_size, "its probe runs the model before it is sharded, so it would "
+                                "measure the wrong memory; set micro_batch_size yourself (estimate_memory(cfg, "
+                                "world_size=N) says what fits)"),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{name}: not with sharding='fsdp': {why}")
 
     # -- conveniences --------------------------------------------------------------------------
     @property
