@@ -1,7 +1,10 @@
-"""Several processes, the same loop: DDP under torchrun or accelerate launch (DESIGN rule 6).
+"""Several processes, the same loop: DDP or FSDP2 under torchrun or accelerate launch (DESIGN rule 6).
 
 The launcher sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; nothing here launches processes.
-Mixed precision stays nbtrain's own torch.amp, identical to a single process.
+Mixed precision stays nbtrain's own torch.amp, identical to a single process; under FSDP the precision table's
+compute dtype also becomes FSDP's MixedPrecisionPolicy (parameters gathered in it, gradients reduced in fp32).
+What differs between one process, DDP and FSDP lives here (wrap, no_sync, the gradient norm, local views of
+sharded tensors, the scaler), so the loop has no "distributed?" branch.
 """
 
 from __future__ import annotations
@@ -9,11 +12,33 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..data import collate
+from ..precision import make_scaler
+
+
+def grad_norm(params: list[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
+    """Total L2 norm of the (already unscaled) gradients; clips in place when max_norm is set."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if max_norm:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(torch.nn.utils, "get_total_norm"):   # torch >= 2.6
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.nn.utils.clip_grad_norm_(params, float("inf"))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of an FSDP parameter or gradient (a DTensor), else ``t``.
+
+    What samples a tensor element-wise (the doctor, the tensor counter) reads this, so no slice of a sharded
+    tensor turns into a collective."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 class SingleProcess:
@@ -23,9 +48,22 @@ class SingleProcess:
     """
 
     rank, world = 0, 1
+    sharded = False   # whether each rank holds only a shard of the weights (FSDP)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
+
+    def make_scaler(self, spec, device: str) -> torch.amp.GradScaler:
+        return make_scaler(spec, device)
+
+    def grad_norm(self, params: list[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
+        return grad_norm(params, max_norm)
+
+    def broadcast(self, obj):
+        return obj
+
+    def barrier(self) -> None:
+        pass
 
     def shard(self, micro: list, data) -> list:
         return micro
@@ -74,6 +112,15 @@ class DistContext(SingleProcess):
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank (a plain Python object)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
     def agree(self, flag: bool) -> bool:
         """True on every rank when it is True on any rank (a stop asked for on rank 0 stops them all)."""
         dev = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
@@ -88,10 +135,84 @@ class DistContext(SingleProcess):
             dist.destroy_process_group()
 
 
-def init_distributed(device: str) -> SingleProcess:
-    """Join the process group the launcher describes; a SingleProcess when running as one process."""
+class FSDPContext(DistContext):
+    """This process's place in an FSDP2 group: every rank holds 1/world of the weights, gradients and optimizer
+    state; a layer's weights are gathered for its forward and backward only."""
+
+    sharded = True
+
+    def __init__(self, rank: int, world: int, local_rank: int, created_group: bool, device: str,
+                 param_dtype: Optional[torch.dtype], reshard_after_forward: bool):
+        super().__init__(rank, world, local_rank, created_group)
+        self.device, self.param_dtype, self.reshard = device, param_dtype, reshard_after_forward
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``fully_shard`` each layer of the model's largest stack, then the root (embeddings, norm, head), in
+        place: frozen weights are sharded too. Weights on the CPU move to this rank's device as they are sharded,
+        so no GPU ever holds the whole model."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device, (self.world,))
+        # Parameters are gathered in the compute dtype (half the traffic under bf16/fp16) and gradients reduced in
+        # fp32, so the sharded fp32 master weights see what the unsharded run's would.
+        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        for block in layer_stack(model):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=self.reshard)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=self.reshard)
+        return model
+
+    def make_scaler(self, spec, device: str) -> torch.amp.GradScaler:
+        """fp16: a GradScaler whose inf check is all-reduced, so a step skipped on one rank is skipped on all (each
+        rank sees only its shard of the gradients)."""
+        if not spec.scaler:
+            return make_scaler(spec, device)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device, enabled=True)
+
+    def no_sync(self, model: torch.nn.Module, last: bool):
+        # Gradients are reduce-scattered after every micro-batch and accumulate sharded: holding them unsharded
+        # across micro-batches (DDP's no_sync) would keep a whole model's gradients on every rank.
+        return contextlib.nullcontext()
+
+    def grad_norm(self, params: list[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
+        """The global pre-clip L2 norm over every rank's shards (equal to the unsharded run's); clips in place."""
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        sq = torch.zeros((), device=grads[0].device if grads else self.device, dtype=torch.float32)
+        if grads:
+            sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)   # each element lives on exactly one rank
+        norm = sq.sqrt()
+        if max_norm and grads:
+            # as clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
+
+
+def layer_stack(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of the model's largest stack of identical blocks (decoder or encoder layers); empty when it has
+    none (then the root alone is sharded)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    best, best_n = None, 0
+    for mod in base.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(m) for m in mod}) == 1:
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_n:
+                best, best_n = mod, n
+    return list(best) if best is not None else []
+
+
+def init_distributed(device: str, sharding: str = "none", spec=None,
+                     reshard_after_forward: bool = True) -> SingleProcess:
+    """Join the process group the launcher describes; a SingleProcess when running as one process.
+
+    ``sharding="fsdp"`` gives an FSDPContext, also for a single process a launcher started (torchrun
+    --nproc_per_node 1: what FSDP itself costs); a plain single process has nothing to shard."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    launched = "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    if world <= 1 and not (sharding == "fsdp" and launched):
         return SingleProcess()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -101,6 +222,9 @@ def init_distributed(device: str) -> SingleProcess:
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
         created = True
+    if sharding == "fsdp":
+        return FSDPContext(rank, world, local_rank, created, device,
+                           spec.autocast_dtype if spec is not None else None, reshard_after_forward)
     return DistContext(rank, world, local_rank, created)
 
 

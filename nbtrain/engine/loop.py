@@ -21,6 +21,7 @@ from ..config import TrainConfig
 from ..data import iter_steps
 from .callbacks import CallbackError, StopTraining
 from .checkpoint import save_run
+from .distributed import grad_norm
 from .doctor import grad_underflow_share
 from .fingerprint import chain_step
 from .finish import TrainResult, finish, run_eval, undo
@@ -30,18 +31,6 @@ from .records import StepRecord
 from .sampling import Sampler
 from .telemetry import device_memory_gib, host_rss_gib, reset_peak
 from .threads import spawn
-
-
-def grad_norm(params: list[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
-    """Total L2 norm of the (already unscaled) gradients; clips in place when max_norm is set."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    if max_norm:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if hasattr(torch.nn.utils, "get_total_norm"):   # torch >= 2.6
-        return torch.nn.utils.get_total_norm(grads)
-    return torch.nn.utils.clip_grad_norm_(params, float("inf"))
 
 
 def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event] = None,
@@ -102,7 +91,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             scaler.unscale_(optimizer)
             if step == 1:   # one cheap sample (before clipping) for the doctor's fp16-underflow check
                 underflow = grad_underflow_share(st.params)
-            norm = grad_norm(st.params, cfg.max_grad_norm)
+            norm = dist.grad_norm(st.params, cfg.max_grad_norm)   # over every rank's shards under FSDP
             lr = optimizer.param_groups[0]["lr"]
             st.lost.before(step, lr)   # on sampled steps: the weights before the update, to count what it lost
             dist.all_reduce_sum(loss_acc)   # the step's loss over every rank's tokens

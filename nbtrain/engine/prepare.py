@@ -25,10 +25,10 @@ from ..models import build_model, check_lora_targets, count_params, load_tokeniz
 from ..models.lean import lean_layers
 from ..models.methods import method_notes
 from ..models.tensors import apply_tensor_precision
-from ..precision import PRECISION_TABLE, PrecisionSpec, global_torch_state, make_scaler
+from ..precision import PRECISION_TABLE, PrecisionSpec, global_torch_state
 from .callbacks import CallbackList
 from .checkpoint import check_resumable, load_checkpoint
-from .distributed import SingleProcess, init_distributed
+from .distributed import SingleProcess, init_distributed, layer_stack
 from .doctor import LostUpdates
 from .fingerprint import weights_hash
 from .losses import ChunkedLossError, micro_loss_sum, split_for_chunked_loss
@@ -112,8 +112,12 @@ def prepare(cfg: TrainConfig, callbacks=None, variant: Optional[str] = None, has
 def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunState:
     spec = PRECISION_TABLE[precision]
     # Under torchrun / accelerate launch: one process per rank, the same loop; rank 0 alone observes and writes.
-    dist = init_distributed(device)
     notes: list[str] = []
+    cfg = adopt_launcher_sharding(cfg, notes)
+    dist = init_distributed(device, cfg.sharding, spec, cfg.reshard_after_forward)
+    if cfg.sharding == "fsdp" and dist.world == 1 and not dist.sharded:
+        notes.append("sharding='fsdp': one process, nothing to shard (runs as sharding='none'); launch several "
+                     "with nbt.launch(cfg, num_processes=N), torchrun or accelerate launch")
 
     # Data first (fails fast on bad input). Whatever it draws at random is not the caller's: each run draws
     # from its own stream (data order has its own seeded generators).
@@ -138,8 +142,11 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     # loading used; initial weights, dropout and the batch-size probe draw from it alone, never from the
     # caller's or a concurrent run's.
     rng = RunRng(cfg.seed, device)
+    # Sharded: the whole model is built on the CPU and each layer moves to the GPU as its shards when wrapped, so
+    # no GPU ever holds all of it.
+    build_on = "cpu" if dist.sharded else device
     with rng.active():
-        model = build_model(cfg, tokenizer, data.num_labels, precision, device, label_names=data.label_names)
+        model = build_model(cfg, tokenizer, data.num_labels, precision, build_on, label_names=data.label_names)
     notes.extend(method_notes(model))   # e.g. the added chat tokens' rows that train under LoRA
     init_hash = weights_hash(model) if hash_init else None
     # bf16 weights (bf16-pure) or float8 linears (fp8) after the hash: every precision starts from one init
@@ -161,13 +168,19 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
             cfg, note = auto_batch_size(cfg, model, params, data, spec, device, chunk_tokens)
         notes.append(note)
     fwd_model = dist.wrap(model)
+    if dist.sharded:   # fully_shard replaced the parameters with sharded ones: the optimizer steps those
+        params = [p for p in model.parameters() if p.requires_grad]
+        notes.append(f"sharding: FSDP2 over {dist.world} process(es), {len(layer_stack(model))} layers + the root "
+                     f"sharded, reshard_after_forward={cfg.reshard_after_forward}, parameters gathered in "
+                     f"{str(dist.param_dtype or 'their own dtype').removeprefix('torch.')}, gradients reduced "
+                     "in float32")
     loss_parts = None
     if chunk_tokens:
         if dist.world > 1:
             raise ValueError("chunked_loss: not supported with several processes yet (DDP must see the "
                              "whole forward); set chunked_loss=False")
         loss_parts = split_for_chunked_loss(model)   # fail before step 1 if the model cannot use it
-    elif data.task == "causal-lm" and dist.world == 1:
+    elif data.task == "causal-lm" and dist.world == 1 and not dist.sharded:
         # the plain loss runs the head on the target positions only (chat prompts and padding get no logits)
         # where the model splits into a decoder and an output layer; otherwise the model's own forward
         try:
@@ -188,7 +201,7 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     schedule = "constant_with_warmup" if cfg.scheduler == "constant" and cfg.warmup_steps else cfg.scheduler
     scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=total_steps)
-    scaler = make_scaler(spec, device)   # disabled (a no-op) unless the precision needs loss scaling
+    scaler = dist.make_scaler(spec, device)   # disabled (a no-op) unless the precision needs loss scaling
 
     info = RunInfo(config=cfg, precision_used=precision, device=device, device_name=caps.name,
                    device_total_gib=caps.total_memory_gib, scaler_enabled=spec.scaler,
@@ -211,6 +224,18 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     if cfg.resume_from:
         resume(st, cfg.resume_from)
     return st
+
+
+def adopt_launcher_sharding(cfg: TrainConfig, notes: list[str]) -> TrainConfig:
+    """``accelerate launch`` with an FSDP config (``distributed_type: FSDP``) and a config that says
+    sharding='none': the launcher's choice wins, said in the notes (the launcher is how a user picks it there)."""
+    if cfg.sharding == "fsdp" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("true", "1"):
+        return cfg
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", str(cfg.reshard_after_forward)).lower()
+    new = cfg.replace(sharding="fsdp", reshard_after_forward=reshard not in ("false", "0", "no_shard"))
+    notes.append("sharding='fsdp': from accelerate launch's FSDP config (ACCELERATE_USE_FSDP); nbtrain runs "
+                 f"FSDP2 (fully_shard) whatever fsdp_version says")
+    return new
 
 
 def resume(st: RunState, path: str) -> None:
@@ -242,14 +267,7 @@ def compile_blocks(model, **compile_kwargs) -> list[torch.nn.Module]:
     model's forward) and DDP run the same compiled layers, and transformers' mask logic stays eager, so an
     unpadded batch still reaches SDPA as ``is_causal`` (flash) -- traced, it would build an explicit mask.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    best, best_n = None, 0
-    for mod in base.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(m) for m in mod}) == 1:
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = mod, n
-    blocks = list(best) if best is not None else [model]
+    blocks = layer_stack(model) or [model]
     for block in blocks:
         block.compile(**compile_kwargs)
     return blocks

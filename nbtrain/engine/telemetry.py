@@ -9,6 +9,8 @@ from typing import Iterable, Optional
 import psutil
 import torch
 
+from .distributed import local
+
 _GIB = 2**30
 _PROC = psutil.Process(os.getpid())
 
@@ -139,7 +141,7 @@ def _storage(t: torch.Tensor) -> Optional[tuple[int, int]]:
     """(address, bytes) of the storage behind ``t``; None for one without a plain storage (sparse, nested): a
     training step must not fail for want of a count."""
     try:
-        st = t.untyped_storage()
+        st = local(t).untyped_storage()   # a sharded (FSDP) tensor: this rank's shard
     except (RuntimeError, NotImplementedError):
         return None
     return st.data_ptr(), st.nbytes()
