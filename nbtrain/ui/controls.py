@@ -30,6 +30,23 @@ NONFINITE_TIP = ("default: skip the step when a GradScaler is in use (fp16), els
                  "continue: apply the update anyway")
 
 
+# How many processes a Train from the panel may launch: one per GPU on a node; beyond 64 a notebook is not the tool.
+MAX_PROCESSES = 64
+
+SHARDING_TIP = ("none: with several processes each holds the whole model (DDP, gradients all-reduced) · "
+                "fsdp: FSDP2 splits weights, gradients and optimizer state over the processes")
+
+
+def processes_control() -> widgets.BoundedIntText:
+    """The panel's own "Processes" box (1 to MAX_PROCESSES; not a TrainConfig field): how many processes a Train
+    launches (``nbt.launch``); 1 trains in this kernel."""
+    return widgets.BoundedIntText(value=1, min=1, max=MAX_PROCESSES, description="Processes", style=_style(),
+                                  layout=_layout(),
+                                  tooltip=f"1: train in this kernel · 2-{MAX_PROCESSES}: Train launches that many "
+                                          "worker processes with torchrun (one per GPU) and streams rank 0's steps "
+                                          "here")
+
+
 def _style() -> dict:
     return {"description_width": DESCRIPTION_WIDTH}
 
@@ -271,6 +288,9 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "sample_every": _with_widget(_optional_int("sampling at the end only"),
                                      _text("Sample every (steps)", "blank: at the end")),
         "max_new_tokens": Codec(_int("Answer length (tokens)")),
+        "sharding": Codec(_dropdown("Sharding", [("none (DDP)", "none"), ("fsdp (FSDP2)", "fsdp")],
+                                    SHARDING_TIP)),
+        "reshard_after_forward": Codec(_check("Reshard after forward")),
     }
 
 

@@ -18,7 +18,7 @@ import ipywidgets as widgets
 from ..config import OPTIMIZERS, ConfigError, TrainConfig
 from ..hardware import PRECISIONS
 from . import render
-from .controls import Choice, Codec, make_codecs, yaml_codec
+from .controls import Choice, Codec, make_codecs, processes_control, yaml_codec
 
 # Which tab each field lives on. A field not listed here lands on "Training" (see section_of).
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -29,6 +29,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Accumulation": ("micro_batch_size", "grad_accum_steps", "auto_batch_size"),
     "Method": ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
                "gradient_checkpointing", "lean_layers"),
+    # under the panel's own "Processes" box (not a TrainConfig field), which comes first on this tab
+    "Processes": ("sharding", "reshard_after_forward"),
     "Training": ("lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
                  "eval_every", "log_every", "seed", "nonfinite", "output_dir", "save_every", "resume_from",
                  "chunked_loss", "loss_chunk_tokens", "compile", "sample_prompts", "sample_every", "max_new_tokens"),
@@ -76,6 +78,26 @@ def rounding_unavailable(precision: str, optimizer: str) -> str:
     if optimizer != "adamw":
         why.append(f"it is built into AdamW's update, so it needs optimizer adamw (now {optimizer})")
     return "; ".join(why)
+
+
+def reshard_unavailable(sharding: str) -> str:
+    """Why the reshard box does not apply with this sharding ("" when it does)."""
+    if sharding != "fsdp":
+        return f"it decides what FSDP keeps gathered between forward and backward, so it needs sharding fsdp " \
+               f"(now {sharding}, where every process holds the whole model anyway)"
+    return ""
+
+
+def processes_problem(caps, processes: int) -> str:
+    """Why a Train cannot launch ``processes`` here ("" when it can): on CUDA each process takes a GPU of its own."""
+    if processes > 1 and caps.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if processes > gpus:
+            return (f"{processes} processes need {processes} GPUs (one each); this machine has {gpus}: set "
+                    f"processes to {gpus} or fewer")
+    return ""
 
 
 def section_of(field: str) -> str:
@@ -251,9 +273,12 @@ class Form:
         self.accumulation_info = widgets.HTML()
         self.method_info = widgets.HTML()
         self.optimizer_info = widgets.HTML()
+        # How many processes a Train launches: the panel's own (a launch setting, not part of the config).
+        self.processes = processes_control()
+        self.processes_info = widgets.HTML()
         self.error = widgets.HTML()
         self.tabs = self._build_tabs()
-        for w in self.controls.values():
+        for w in (*self.controls.values(), self.processes):
             w.observe(self._changed, names="value")
 
     # -- construction ------------------------------------------------------------------------
@@ -291,13 +316,18 @@ class Form:
 
     def _build_tabs(self) -> widgets.Tab:
         extra = {"Model": [self.model_info], "Data": [self.data_info], "Precision": [self.precision_info],
-                 "Accumulation": [self.accumulation_info], "Method": [self.method_info]}
+                 "Accumulation": [self.accumulation_info], "Method": [self.method_info],
+                 "Processes": [self.processes_info]}
+        processes_row = widgets.HBox([self.processes, widgets.HTML(render.small(
+            "1: train in this kernel; more: Train launches them (torchrun), one per GPU"))],
+            layout=widgets.Layout(align_items="center"))
+        before = {"Processes": [processes_row]}
         # an info line right under a field that is not the first of its section
         after = {"optimizer": [self.optimizer_info]}
         placed = {f for fields in SECTIONS.values() for f in fields}
         pages = []
         for section, fields in SECTIONS.items():
-            rows = [w for f in fields for w in (self.rows[f], *after.get(f, []))]
+            rows = [*before.get(section, []), *(w for f in fields for w in (self.rows[f], *after.get(f, [])))]
             if section == "Training":
                 rows += [self.rows[f] for f in self.controls if f not in placed]
             # The info line sits right under the field it explains (the first one of the section).
@@ -394,6 +424,7 @@ class Form:
         self._update_rounding(raw)
         self._update_accumulation_info(raw)
         self._update_method_fields(raw)
+        self._update_processes(raw)
         self.show_errors(self.validate()[1])
 
     def show_errors(self, errors: list[dict]) -> None:
@@ -496,3 +527,18 @@ class Form:
         self.rows["quant_bits"].layout.display = "" if method == "qlora" else "none"
         self.method_info.value = render.method_info_html(method, METHOD_HINTS.get(method, ""),
                                                          self.caps.reasons.get(method))
+
+    def _update_processes(self, raw: dict) -> None:
+        """The reshard box applies under fsdp only (greyed with why otherwise, its value kept: TrainConfig accepts
+        it either way); the info line says what Train will do with this many processes."""
+        box, why = self.controls["reshard_after_forward"], reshard_unavailable(raw["sharding"])
+        box.disabled = bool(why)
+        box.tooltip = f"unavailable: {why}" if why else help_text("reshard_after_forward")
+        line = render.esc(help_text("reshard_after_forward"))
+        if why:
+            line += f" · <span style='color:{render.AMBER}'>unavailable: {render.esc(why)}</span>"
+        self.help["reshard_after_forward"].value = render.small(line)
+        n = int(self.processes.value or 1)
+        self.processes_info.value = render.processes_info_html(self.caps, n, raw["sharding"],
+                                                               bool(raw["reshard_after_forward"]),
+                                                               processes_problem(self.caps, n))

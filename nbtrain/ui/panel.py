@@ -15,6 +15,7 @@ finished on the user's thread first, and interpreter exit stops and joins whatev
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 import threading
 from pathlib import Path
@@ -26,7 +27,7 @@ from ..config import ConfigError, TrainConfig
 from ..engine.threads import complete_imports, track
 from ..hardware import capabilities
 from . import render
-from .form import PRECISION_HINTS, SECTIONS, Form, section_of
+from .form import PRECISION_HINTS, SECTIONS, Form, processes_problem, section_of
 from .runner import Runner
 
 __all__ = ["Panel", "SECTIONS", "section_of"]
@@ -44,6 +45,35 @@ def _tensors_line(est, cfg: TrainConfig) -> str:
     return render.small(f"optimizer {render.esc(cfg.optimizer)} · weights {render.esc(dtypes.get('weights', '?'))}")
 
 
+def _estimate(cfg: TrainConfig, processes: int):
+    """``estimate_memory`` for one of ``processes`` ranks, and whether it could say so (an estimate_memory without
+    ``world_size`` gives one process's whole-model numbers)."""
+    from ..memory import estimate_memory
+
+    if processes > 1 and "world_size" in inspect.signature(estimate_memory).parameters:
+        return estimate_memory(cfg, world_size=processes), True
+    return estimate_memory(cfg), processes <= 1
+
+
+def _processes_line(est, cfg: TrainConfig, processes: int, divided: bool, device: str) -> str:
+    """Under a several-process estimate: that it is per process, and on a CPU what all of them need together."""
+    if processes <= 1:
+        return ""
+    from ..memory import fmt_gib
+
+    what = ("weights, gradients and optimizer state ÷ " + str(processes) if cfg.sharding == "fsdp"
+            else "every process holds the whole model")
+    line = f"per process, {processes} processes, {render.esc(cfg.sharding)}"
+    if divided:
+        line += f": {what}"
+    else:
+        line += (f" · <span style='color:{render.AMBER}'>this nbtrain's estimate_memory takes no world_size: "
+                 "the numbers are one process's alone, nothing divided</span>")
+    if device != "cuda":   # GPUs: one each; CPU processes share the host memory the total is read against
+        line += f" · the {processes} processes share this machine's memory: ≈ {fmt_gib(processes * est.total_gib)}"
+    return "<br>" + render.small(line)
+
+
 class Panel:
     """Widgets for every TrainConfig field, a live memory estimate, and Train / Stop / Compare buttons.
 
@@ -56,7 +86,8 @@ class Panel:
     ``memory_estimate`` is None. ``panel.form`` and ``panel.runner`` are the two halves.
     """
 
-    def __init__(self, config: Optional[TrainConfig] = None, *, callbacks=None, debounce_s: float = 0.25):
+    def __init__(self, config: Optional[TrainConfig] = None, *, callbacks=None, debounce_s: float = 0.25,
+                 processes: int = 1):
         # On the user's thread, before the first timer or thread: a first `import transformers` on a
         # background thread can break other threads' imports of it.
         complete_imports()
@@ -71,6 +102,7 @@ class Panel:
         self.runner = Runner(self.caps, PRECISION_HINTS, callbacks=callbacks or (),
                              on_field_error=self._mark_run_errors)
         self._build()
+        self.form.processes.value = int(processes)
         self.config = config if config is not None else TrainConfig()
 
     def _build(self) -> None:
@@ -129,6 +161,18 @@ class Panel:
     comparison = property(lambda self: self.runner.comparison, doc="the ComparisonResult of the last Compare")
     comparison_table = property(lambda self: self.runner.comparison_table)
     callbacks = property(lambda self: self.runner.callbacks, doc="added to every run the panel starts")
+    processes_control = property(lambda self: self.form.processes,
+                                 doc="the Processes box: how many processes a Train launches (1: in this kernel)")
+    processes_info = property(lambda self: self.form.processes_info)
+
+    @property
+    def processes(self) -> int:
+        """How many processes a Train runs on (1: in this kernel; more: launched with torchrun)."""
+        return int(self.form.processes.value or 1)
+
+    @processes.setter
+    def processes(self, n: int) -> None:
+        self.form.processes.value = int(n)
 
     def compare_precisions(self) -> tuple[str, ...]:
         """The precisions Compare runs: the ticked ones this device can run."""
@@ -225,10 +269,12 @@ class Panel:
             text = "<b>Memory</b>: " + render.small("— fix the settings above to see the estimate")
         else:
             try:
-                from ..memory import estimate_html, estimate_memory
+                from ..memory import estimate_html
 
-                est = estimate_memory(cfg)
-                text = estimate_html(est, self.caps.device) + _tensors_line(est, cfg)
+                n = self.processes
+                est, divided = _estimate(cfg, n)
+                text = (estimate_html(est, self.caps.device) + _tensors_line(est, cfg)
+                        + _processes_line(est, cfg, n, divided, self.caps.device))
             except Exception as e:
                 est = None
                 text = "<b>Memory</b>: " + render.small(f"no estimate for these settings: "
@@ -262,6 +308,11 @@ class Panel:
             self.form.select(errors[0].get("field") if errors else None)
             self.runner.set_status("not started: fix the settings marked above", render.RED)
             return None
+        problem = processes_problem(self.caps, self.processes)
+        if problem:
+            self.form.select("sharding")   # the Processes tab
+            self.runner.set_status(f"not started: {render.esc(problem)}", render.RED)
+            return None
         return cfg
 
     def _run_error_field(self, error: dict) -> Optional[str]:
@@ -290,9 +341,17 @@ class Panel:
     def _on_train(self) -> None:
         cfg = self._start_checks()
         if cfg is not None:
-            self.runner.train(cfg)
+            self.runner.train(cfg, processes=self.processes)
 
     def _on_compare(self) -> None:
+        if self.processes > 1 and not self.runner.busy():
+            # Compare runs its variants one after another in this kernel: on several processes it would need one
+            # launch per variant, and in here its speed and memory would not be the launched run's. Said, not
+            # silently run on one process.
+            self.form.select("sharding")
+            self.runner.set_status(f"not compared: Compare runs each precision in this kernel, one process; set "
+                                   f"processes to 1 to compare (now {self.processes})", render.AMBER)
+            return
         cfg = self._start_checks()
         if cfg is None:
             return

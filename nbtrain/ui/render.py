@@ -108,6 +108,26 @@ def method_info_html(method: str, hint: str, why: Optional[str]) -> str:
 
 
 # -- results ------------------------------------------------------------------------------------
+def processes_info_html(caps, processes: int, sharding: str, reshard: bool, problem: str = "") -> str:
+    """What a Train does with ``processes`` and ``sharding``: in this kernel, or launched with torchrun, DDP or
+    FSDP2, on which devices; ``problem`` (e.g. more processes than GPUs) in red."""
+    if processes <= 1:
+        text = "one process: Train runs in this kernel (a background thread)"
+        if sharding == "fsdp":
+            text += (f" · <span style='color:{AMBER}'>sharding fsdp with one process: nothing to shard, it runs as "
+                     "none; set processes to 2 or more</span>")
+        return small(text)
+    where = (f"one GPU each ({caps.device}: {esc(caps.name)})" if caps.device == "cuda"
+             else "CPU processes (gloo), sharing this machine's cores and memory")
+    how = (f"FSDP2: weights, gradients and optimizer state split {processes} ways"
+           + (", layers gathered again in backward" if reshard else ", layers kept gathered from forward to backward")
+           if sharding == "fsdp" else "DDP: every process holds the whole model; gradients are all-reduced")
+    text = (f"Train launches <b>{processes} processes</b> with torchrun ({where}) · {how} · each micro-batch is "
+            "split over them · the live view follows rank 0 · the trained model stays in the workers "
+            "(result.model is None) · Compare runs in this kernel: set processes to 1 for it")
+    return small(text) + (f"<br>{small(esc(problem), RED)}" if problem else "")
+
+
 def _stopped_reason(result) -> Optional[str]:
     return (getattr(result, "summary", None) or {}).get("stopped_reason")
 

@@ -1,7 +1,8 @@
 """The runner: Train / Stop / Compare, the status line and notes under them, and the live dashboard area.
 
 A Train runs through ``nbt.start()`` and a Compare through ``compare()`` in a background thread, so the
-panel and the kernel stay responsive. Every thread goes through :mod:`nbtrain.engine.threads` (``spawn``):
+panel and the kernel stay responsive; a Train on several processes goes through ``nbt.launch()`` (torchrun
+workers, rank 0's records streamed back to the same callbacks), and Stop asks the workers to end. Every thread goes through :mod:`nbtrain.engine.threads` (``spawn``):
 interpreter exit stops it and waits for it. Errors never reach the user as a traceback: they become the
 status line, and a ConfigError (or another error that names a field) is handed to ``on_field_error``.
 """
@@ -75,6 +76,8 @@ class Job:
         self.run = None
         self.variants: tuple[str, ...] = ()
         self.extra_seeds: tuple[int, ...] = ()
+        self.processes = 1   # > 1: a launched Train (nbt.launch), whose workers hold the model
+        self.where = ""      # what the status line adds for a launched Train ("2 processes · fsdp")
 
     def halt(self) -> None:
         """Ask this job to end after the current step (no widget updates: also called at interpreter exit)."""
@@ -101,7 +104,9 @@ class StatusCallback:
         self.runner.set_status(f"running{self._name()}: step 0/{self.total} ({where})", render.GREY)
 
     def on_step_end(self, record) -> None:
-        if self.job.stop.is_set():
+        # A launched run's callbacks fire on its reader thread, where StopTraining would only end the reading:
+        # its workers are stopped by Job.halt (the stop file) instead.
+        if self.job.stop.is_set() and self.job.processes <= 1:
             raise StopTraining
         now = time.monotonic()
         if now - self._last >= self.MIN_INTERVAL or record.step == self.total:
@@ -122,7 +127,8 @@ class StatusCallback:
                                    render.GREY)
 
     def _name(self) -> str:
-        return f" {self.variant}" if self.variant else ""
+        # a launched Train says so on every line: "running (2 processes · fsdp): step 3/100 · ..."
+        return (f" {self.variant}" if self.variant else "") + (f" ({self.job.where})" if self.job.where else "")
 
 
 class AnswersCallback:
@@ -262,13 +268,24 @@ class Runner:
         job = self.job
         return [dash] + ([self.live_figure] if self.live_figure is not None else []) + [AnswersCallback(self, job)]
 
-    def train(self, cfg) -> None:
-        """Start a Train of ``cfg`` in the background."""
+    def train(self, cfg, processes: int = 1) -> None:
+        """Start a Train of ``cfg`` in the background: in this process, or with ``processes`` > 1 launched on
+        that many worker processes (``nbt.launch``, torchrun)."""
         job = self.begin("train")
+        job.processes = max(1, int(processes))
         drawing = self._new_dashboard()
-        self.set_status("starting… (loading data and model)", render.GREY)
+        callbacks = [*drawing, StatusCallback(self, job), *self.callbacks]
         try:
-            run = start(cfg, callbacks=[*drawing, StatusCallback(self, job), *self.callbacks])
+            if job.processes > 1:
+                from ..engine.launch import launch
+
+                job.where = f"{job.processes} processes · {cfg.sharding}"
+                self.set_status(f"starting… (launching {job.where} with torchrun: each loads data and model)",
+                                render.GREY)
+                run = launch(cfg, num_processes=job.processes, callbacks=callbacks)
+            else:
+                self.set_status("starting… (loading data and model)", render.GREY)
+                run = start(cfg, callbacks=callbacks)
         except Exception as e:
             self.finish(job, error=e)
             return
@@ -342,15 +359,21 @@ class Runner:
             job.finished = True
         try:
             if error is not None:
-                self.set_status(f"error: {render.esc(f'{type(error).__name__}: {error}')}", render.RED)
+                message = f"{type(error).__name__}: {error}"
+                if job.processes > 1 and "\n" in message:
+                    # a launched run's error ends with the workers' last lines: those go under the status line
+                    message, _, tail = message.partition("\n")
+                    self.notes.value = launched_log_html(tail)
+                self.set_status(f"error: {render.esc(message)}", render.RED)
                 self._settle_dashboard()
                 errors = _field_errors(error)
                 if errors:
                     self.on_field_error(errors)
             elif job.kind == "train":
                 self.result = result
-                self.set_status(render.result_line(result), render.status_color(result))
-                self.notes.value = render.notes_block([(None, result)])
+                line = render.result_line(result) + (f" · {render.esc(job.where)}" if job.where else "")
+                self.set_status(line, render.status_color(result))
+                self.notes.value = render.notes_block([(None, result)]) + self._launched_note(job)
                 self.answers.value = answers_html(getattr(result, "samples", None))
                 self._settle_dashboard()
             else:
@@ -365,6 +388,15 @@ class Runner:
             self.compare_button.disabled = False
             self.stop_button.disabled = True
             job.done.set()
+
+    def _launched_note(self, job: Job) -> str:
+        """Where a launched Train's model and files are: the model lived in the workers."""
+        if job.processes <= 1:
+            return ""
+        out = getattr(job.run, "output_dir", None)
+        return render.small(f"launched on {render.esc(job.where)}: the trained model stayed in the workers "
+                            "(result.model is None)" + (f"; config, history and summary in {render.esc(out)}"
+                                                        if out else ""))
 
     def _settle_dashboard(self) -> None:
         """The finished figure alone: the live status line above it goes, its step count and ETA being stale
@@ -402,6 +434,13 @@ class Runner:
                                              "data": static_bundle(cmp.difference_figure())},)
             shown.append(self.difference_view)
         self.dashboard_area.children = (*self.dashboard_area.children, *shown)
+
+
+def launched_log_html(tail: str) -> str:
+    """The workers' last output lines (a launched run that failed), scrollable under the status line."""
+    return ("<details open><summary>" + render.small("the workers' last lines") + "</summary>"
+            f"<pre style='max-height:16em;overflow:auto;font-size:0.85em;margin:2px 0'>{render.esc(tail.strip())}"
+            "</pre></details>")
 
 
 def compare_variants(cfg, precisions: tuple[str, ...]) -> Optional[dict]:
