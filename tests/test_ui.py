@@ -98,6 +98,8 @@ CHANGES = {
                                                                                "What is a list?"]),
     "sample_every": ("5", 5),
     "max_new_tokens": (32, 32),
+    "sharding": ("fsdp", "fsdp"),
+    "reshard_after_forward": (False, False),
 }
 
 
