@@ -4,7 +4,10 @@ On a CUDA machine, in one process and interleaved (each group runs bare -> nbtra
 so drift in the machine hits all of them), for fp32, tf32, bf16, fp16, LoRA and QLoRA, plus nbtrain with
 the live dashboard on (html mode, headless) and one row per optimisation: chunked loss, packing vs
 padding, fused AdamW / SDPA / no per-step host sync (as bare-loop ablations: nbtrain has them always on),
-and torch.compile (its warm-up cost is in ``warmup_s``).
+and torch.compile (its warm-up cost is in ``warmup_s``); and nbtrain under FSDP2 on one rank
+(``nbtrain:bf16@fsdp``: sharding='fsdp' in a 1-rank process group this process creates, so the row measures what
+FSDP itself costs against ``nbtrain:bf16``). ``--plan fsdp`` is that comparison alone, its rows in one group so
+``--repeats`` interleaves them (written as ``gpu_suite_<device>_fsdp``).
 
 Shape (GPU): a random-init model shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 kv heads,
 intermediate 4864, vocab 151936, tied embeddings; 494M parameters), batch 8 x seq 1024, SDPA, fused AdamW.
@@ -36,11 +39,15 @@ would not fit (``--budget-s``, default 330 s on CUDA).
     python benchmarks/gpu_suite.py --cpu           # the tiny preset on the CPU, CI-sized (~30-60 s on 2 cores)
     python benchmarks/gpu_suite.py --cpu --plan cuda --shape qwen-micro --seq-len 64 --warmup 1 --windows 2 \
         --per-window 1 --out /tmp/dry                # every GPU row's code path on a CPU (~1 min; tf32 rows error)
+    python benchmarks/gpu_suite.py --plan fsdp --repeats 3     # nbtrain:bf16 vs FSDP on 1 rank, interleaved
+    python benchmarks/gpu_suite.py --cpu --plan fsdp --shape qwen-micro --seq-len 64 --warmup 1 --windows 2 \
+        --per-window 1 --out /tmp/dry                # the FSDP rows' code path on a CPU (gloo)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import fnmatch
 import gc
@@ -55,7 +62,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -222,6 +229,12 @@ def suite_rows(device: str) -> list[Row]:
             Row("nbtrain:bf16+sgd", "nbtrain", "bf16", group="tensors", cfg=(("optimizer", "sgd"),), est_s=6,
                 note="optimizer='sgd' (momentum 0.9)"),
         ]
+        # issue 28, after the tensors rows: the full suite reaches it only when the budget allows; its side-by-side
+        # reading comes from --plan fsdp (gpu_checks.sh PART=fsdp), which interleaves it with nbtrain:bf16
+        rows.append(replace(FSDP_ROWS[0], group="fsdp"))
+    elif device == "fsdp":
+        # one group, the headline one, so run_order's repeats interleave every row (ABC CBA ...)
+        rows += [Row("nbtrain:bf16", "nbtrain", "bf16", group="bf16", est_s=7), *FSDP_ROWS]
     else:
         group("fp32", "fp32", est=3)
         rows.insert(2, Row("nbtrain:fp32+dashboard", "nbtrain", "fp32", group="fp32", dashboard=True, est_s=3,
@@ -237,6 +250,15 @@ def suite_rows(device: str) -> list[Row]:
         group("lora", "fp32", "lora", est=3)
     return rows
 
+
+# sharding='fsdp' rows: run_nbtrain creates a 1-rank process group for them (FSDP over one GPU)
+FSDP_ROWS = (
+    Row("nbtrain:bf16@fsdp", "nbtrain", "bf16", group="bf16", cfg=(("sharding", "fsdp"),), est_s=8,
+        note="sharding='fsdp' on 1 rank (FSDP2 fully_shard per layer + root, bf16 gather, fp32 reduce): FSDP's cost"),
+    Row("nbtrain:bf16@fsdp+no_reshard", "nbtrain", "bf16", group="bf16",
+        cfg=(("sharding", "fsdp"), ("reshard_after_forward", False)), est_s=8,
+        note="reshard_after_forward=False: the gathered weights kept from forward to backward (one all-gather fewer)"),
+)
 
 MAIN_GROUPS = ("bf16", "fp16", "tf32", "fp32", "lora", "qlora")
 QUICK = ("bare:bf16", "nbtrain:bf16", "nbtrain:bf16+dashboard", "trainer:bf16", "nbtrain:bf16+chunked_loss",
@@ -469,6 +491,39 @@ def engine_reads(field_name: str) -> bool:
     return any(needle in s or f'"{field_name}"' in s for s in srcs)
 
 
+@contextlib.contextmanager
+def one_rank_group(active: bool):
+    """The environment a launcher gives one process (RANK=0, WORLD_SIZE=1, a free port), so nbtrain's
+    init_distributed creates a 1-rank group and, for sharding='fsdp', an FSDPContext; the run's finish() destroys
+    the group it created. The environment is put back afterwards, and a group an error left behind destroyed."""
+    if not active:
+        yield
+        return
+    import socket
+
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        raise RuntimeError("a process group already exists: the 1-rank FSDP row needs its own")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
 def run_nbtrain(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> dict:
     timer = _TimerCallback(win)
     cbs: list = []
@@ -477,8 +532,12 @@ def run_nbtrain(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> di
 
         cbs.append(LiveDashboard(mode="html", display=False))
     cbs.append(timer)   # last: a dashboard redraw of an edge step lands inside the window it ends
-    r = nbt.train(cfg, callbacks=cbs)
+    sharded = getattr(cfg, "sharding", "none") == "fsdp"
+    with one_rank_group(sharded):
+        r = nbt.train(cfg, callbacks=cbs)
     s = r.summary
+    if sharded and not any("FSDP" in n for n in s.get("notes") or []):
+        raise RuntimeError(f"sharding='fsdp' asked, but the run was not sharded: {s.get('notes')}")
     if s.get("stopped_reason") not in ("max_steps",):
         raise RuntimeError(f"nbtrain stopped: {s.get('stopped_reason')} {s.get('notes')}")
     peaks = [v for v in r.history["vram_peak_gib"] if v is not None and v == v]
@@ -486,6 +545,8 @@ def run_nbtrain(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> di
            "same_tokens": not timer.mismatch, "trainable_params": s["trainable_params"]}
     if row.dashboard:
         out["redraws"] = cbs[0].redraws
+    if sharded:
+        out["world_size"] = s.get("world_size")
     r.model = None
     del r
     return out
@@ -647,7 +708,7 @@ def aggregate(runs: list[dict], flops_per_token: float, peaks: Optional[dict]) -
                "setup_s": round(statistics.median(r["setup_s"] for r in ok), 2),
                "same_tokens": all(r["same_tokens"] for r in ok), "trainable_params": ok[0]["trainable_params"],
                "padding_share": ok[0].get("padding_share"), "runs": len(rs)}
-        for k in ("redraws", "field_unused"):
+        for k in ("redraws", "field_unused", "world_size"):
             if any(k in r for r in ok):
                 row[k] = next(r[k] for r in ok if k in r)
         rows.append(row)
@@ -726,6 +787,14 @@ def checks(rows: list[dict], device: str) -> list[dict]:
             add(f"nbtrain / bare ({g}, CPU, best windows)", v, "(info: the least disturbed windows)", None)
         v = ratio("nbtrain:fp32+dashboard", "nbtrain:fp32", "tokens_per_s_mean")
         add("dashboard cost (fp32, mean throughput, CPU)", None if v is None else round(1 - v, 4), "(info)", None)
+    base = idx.get("nbtrain:bf16")
+    for name in (r.name for r in FSDP_ROWS):
+        if name in idx and base:
+            # one rank: no communication to hide, so this is FSDP's own cost (wrapping, gathers, DTensor steps)
+            d = idx[name]["final_loss"] - base["final_loss"]
+            add(f"{name.split(':', 1)[1]} / bf16 (nbtrain, 1 rank): tokens/s", ratio(name, "nbtrain:bf16"),
+                "(info: FSDP's cost)", None,
+                f"final loss minus bf16's {d:+.2e}; peaks [{idx[name]['peak_mem_gib']}, {base['peak_mem_gib']}] GiB")
     return out
 
 
@@ -780,7 +849,7 @@ def write(res: dict, out_dirs: list[Path], stem: str) -> list[Path]:
 
 def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], repeats: int = 1,
         budget_s: Optional[float] = None, peaks_override: Optional[dict] = None, verbose: bool = True,
-        warm_pass: bool = True) -> dict:
+        warm_pass: bool = True, stem: Optional[str] = None) -> dict:
     t0 = time.perf_counter()
     try:   # "Loading weights" bars, one per row, would bury the results
         from transformers.utils import logging as hf_logging
@@ -792,7 +861,7 @@ def run(rows: list[Row], device: str, profile: Profile, out_dirs: list[Path], re
     budget = profile.budget_s if budget_s is None else budget_s
     name = torch.cuda.get_device_name() if device == "cuda" else nbt.capabilities("cpu").name
     peaks = peaks_override or (peak_tflops(name) if device == "cuda" else None)
-    stem = f"gpu_suite_{device}" if device == "cuda" else "cpu_suite"
+    stem = stem or (f"gpu_suite_{device}" if device == "cuda" else "cpu_suite")
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     tmp = Path(tempfile.mkdtemp(prefix="nbtrain-suite-"))
@@ -925,9 +994,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--cpu", action="store_true", help="the CPU profile: the tiny preset, CI-sized")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="auto: CUDA when available (--list --device cuda shows the GPU plan anywhere)")
-    ap.add_argument("--plan", choices=("auto", "cuda", "cpu"), default="auto",
+    ap.add_argument("--plan", choices=("auto", "cuda", "cpu", "fsdp"), default="auto",
                     help="whose rows to run (auto: the device's); --plan cuda on a CPU runs the GPU rows' code paths "
-                         "at a small shape before device time is spent on them")
+                         "at a small shape before device time is spent on them; --plan fsdp: nbtrain:bf16 against "
+                         "FSDP on 1 rank, interleaved by --repeats")
     ap.add_argument("--quick", action="store_true", help="fewer rows (see QUICK)")
     ap.add_argument("--rows", default=None, help="comma-separated row names, fnmatch patterns or group names")
     ap.add_argument("--list", action="store_true", help="print the rows and exit")
@@ -989,8 +1059,11 @@ def _main(args, device: str) -> dict:
     outs = [Path(args.out)] if args.out else []
     if os.environ.get("OUT"):
         outs.append(Path(os.environ["OUT"]))
+    stem = None
+    if plan == "fsdp":   # its own files: a full suite's results in the same folder stay
+        stem = f"gpu_suite_{device}_fsdp" if device == "cuda" else "cpu_suite_fsdp"
     res = run(rows, device, profile, outs, repeats=repeats, budget_s=args.budget_s, peaks_override=peaks,
-              warm_pass=not args.no_warm_pass)
+              warm_pass=not args.no_warm_pass, stem=stem)
     print()
     print(markdown(res))
     for p in res.get("paths", []):
