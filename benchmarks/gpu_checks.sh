@@ -9,10 +9,13 @@
 #   PART=suite  benchmarks/gpu_suite.py, the full suite (bare loop vs nbtrain vs transformers.Trainer, every
 #               precision, LoRA/QLoRA, the optimisation rows; its own 330 s budget skips what would not fit);
 #               QUICK=1 runs its --quick rows instead (~1.5 min);
+#   PART=fsdp   issue 28: benchmarks/gpu_suite.py --plan fsdp (nbtrain:bf16 vs sharding='fsdp' on 1 rank, with and
+#               without reshard_after_forward, interleaved over 2 repeats: FSDP's own cost; gpu_suite_cuda_fsdp.json)
+#               and the fsdp `gpu` tests (1-rank FSDP bf16 matches plain bf16, nccl picked) (~1.5-2 min);
 #   PART=memory benchmarks/memory_check.py (estimate vs measured peak), a reduced grid (FULL=1: the whole grid).
-# Default PART=all: suite, loss, tests (not memory: measured on 2026-11-30, see results/memory_check_cuda.md).
+# Default PART=all: suite, fsdp, loss, tests (not memory: measured on 2026-11-30, see results/memory_check_cuda.md).
 # The suite runs first: it is what issue 10's acceptance reads, and a session's device time may not allow a
-# second try. Each part is cut off at DEADLINE_S (default 540 s after this script starts), so the whole
+# second try; fsdp next, since the suite's full plan reaches its FSDP row only when its budget allows. Each part is cut off at DEADLINE_S (default 540 s after this script starts), so the whole
 # stays inside one 600 s device call and every part's partial results still come back.
 # Results go to benchmarks/results/ and, when $OUT is set, there too.
 set -uo pipefail
@@ -35,13 +38,22 @@ if want suite; then
         timeout "$(left)" python3 benchmarks/gpu_suite.py 2>&1 | tail -60 || status=1
     fi
 fi
+fsdp_done=0
+if want fsdp; then
+    timeout "$(left)" python3 benchmarks/gpu_suite.py --plan fsdp --repeats 2 --budget-s 150 2>&1 | tail -20 || status=1
+    timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k fsdp 2>&1 \
+        | tee "$OUT/gpu_tests_fsdp.txt" | tail -12 || status=1
+    fsdp_done=1
+fi
 if want loss; then
     timeout "$(left)" python3 benchmarks/chunked_loss.py --out "$OUT" 2>&1 | tail -14 || status=1
     timeout "$(left)" python3 benchmarks/lean_layers.py --out "$OUT" 2>&1 | tail -10 || status=1
 fi
 if want tests; then
-    timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_hf_callback.py \
-        tests/test_viz.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
+    # the fsdp tests already ran in PART=fsdp when it did
+    if [ "$fsdp_done" = 1 ]; then kfilter=(-k "not fsdp"); else kfilter=(); fi
+    timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider ${kfilter[@]+"${kfilter[@]}"} tests/test_gpu.py \
+        tests/test_hf_callback.py tests/test_viz.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
 fi
 if want memory; then
     if [ "${FULL:-0}" = 1 ]; then
