@@ -84,6 +84,8 @@ class Panel:
     ``callbacks`` are added to every run the panel starts. ``debounce_s`` delays the memory estimate
     after a change (0: recompute at once); meanwhile the readout says "estimating…" and
     ``memory_estimate`` is None. ``panel.form`` and ``panel.runner`` are the two halves.
+    ``processes`` (``Panel(processes=N)``, the Processes tab's box; not a config field): a Train on N > 1
+    processes is launched with torchrun (``nbt.launch``) and the memory readout is per process.
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, *, callbacks=None, debounce_s: float = 0.25,
