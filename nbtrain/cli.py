@@ -40,10 +40,11 @@ class JsonlEmitter:
         self._emit("run_end", {"summary": dict(result.summary)})
 
 
-def _load_config(path: str, sets: Sequence[str]) -> TrainConfig:
+def _load_config(path: str, sets: Sequence[str], **more) -> TrainConfig:
     cfg = TrainConfig.from_yaml(path)
-    if sets:
-        cfg = cfg.replace(**dict(parse_override(s) for s in sets))
+    changes = {**dict(parse_override(s) for s in sets), **{k: v for k, v in more.items() if v is not None}}
+    if changes:   # at once: --set save_every=2 --output-dir D is valid together, not one at a time
+        cfg = cfg.replace(**changes)
     return cfg
 
 
@@ -64,10 +65,8 @@ def _print_summary(summary: dict) -> None:
 def cmd_train(args) -> int:
     from .engine import train
 
-    cfg = _load_config(args.config, args.set)
-    if args.output_dir:
-        cfg = cfg.replace(output_dir=args.output_dir)
-    elif cfg.output_dir is None:
+    cfg = _load_config(args.config, args.set, output_dir=args.output_dir)
+    if cfg.output_dir is None:
         cfg = cfg.replace(output_dir="runs/latest")
     cbs = [JsonlEmitter()] if args.jsonl else [ProgressBar(cfg.log_every)]
     result = train(cfg, callbacks=cbs)

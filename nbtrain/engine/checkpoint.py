@@ -1,7 +1,9 @@
 """Atomic checkpoints: trainable weights, optimizer, scheduler, GradScaler, RNG, data position, history.
 
 A checkpoint is a directory ``step-000123`` holding ``state.pt``, ``config.yaml`` and ``meta.json`` (with the
-SHA-256 of ``state.pt``). It is written under a temporary name and renamed into place, so a crash mid-write
+SHA-256 of ``state.pt``). A sharded run's (FSDP) also holds ``shards/``: the weights and optimizer state as
+``torch.distributed.checkpoint`` wrote them, each rank its own shards (``meta.json`` lists every file's SHA-256);
+it resumes on any number of processes, one included, since DCP re-shards on load. It is written under a temporary name and renamed into place, so a crash mid-write
 never leaves a directory that looks complete; a truncated or altered ``state.pt`` fails its checksum with a
 clear message, and a folder of checkpoints resumes from the newest one that verifies, saying which it skipped.
 
@@ -172,35 +174,64 @@ def _commit(tmp: Path, final: Path, aside: Path) -> None:
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any], config_yaml: str, *,
-                    run_id: str | None = None) -> Path:
+                    run_id: str | None = None, shards: dict[str, Any] | None = None, dist=None,
+                    world_size: int = 1) -> Path:
     """Write ``state`` as checkpoint ``step`` under ``directory`` atomically; returns its path.
 
     ``run_id`` names this run's temp files (a fresh id when None), so concurrent writers never share one.
+    ``shards`` (with ``dist``, the run's distributed context): sharded state every rank calls this with and
+    writes its part of into ``shards/``; rank 0 writes the rest and commits the directory once all have written.
+    ``world_size``: how many processes the run had (a resume keeps its global batch).
     """
+    lead = dist is None or dist.rank == 0
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    if lead:
+        root.mkdir(parents=True, exist_ok=True)
     root = root.resolve()   # one spelling per folder for the live-write registry, whatever the cwd or links
     clean = _plain_state(state)   # fail before writing anything that could not be resumed
     run_id = re.sub(r"[^A-Za-z0-9_]", "_", run_id) if run_id else uuid.uuid4().hex[:12]
     final = root / f"step-{step:06d}"
-    tmp = _register(root / f".tmp-step-{step:06d}-{os.getpid()}-{run_id}")
-    aside = _register(tmp.with_name(tmp.name + "-old"))
+    tmp = aside = None
     try:
-        _remove_leftovers(root)
-        for mine in (tmp, aside):   # ours by registration: leftovers of an earlier failed write
-            shutil.rmtree(mine, ignore_errors=True)
-        tmp.mkdir()
-        torch.save(clean, tmp / "state.pt")
-        (tmp / "config.yaml").write_text(config_yaml)
-        meta = {"step": step, "sha256": _sha256(tmp / "state.pt"), "format": FORMAT}
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        _commit(tmp, final, aside)
+        if lead:
+            tmp = _register(root / f".tmp-step-{step:06d}-{os.getpid()}-{run_id}")
+            aside = _register(tmp.with_name(tmp.name + "-old"))
+            _remove_leftovers(root)
+            for mine in (tmp, aside):   # ours by registration: leftovers of an earlier failed write
+                shutil.rmtree(mine, ignore_errors=True)
+            tmp.mkdir()
+        if shards is not None:
+            tmp = Path(dist.broadcast(str(tmp) if lead else None))   # the same temp dir on every rank
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(shards, checkpoint_id=str(tmp / SHARDS_DIR))   # collective: returns once every rank wrote
+        if lead:
+            torch.save(clean, tmp / "state.pt")
+            (tmp / "config.yaml").write_text(config_yaml)
+            meta = {"step": step, "sha256": _sha256(tmp / "state.pt"), "format": FORMAT}
+            meta["world_size"] = dist.world if dist is not None else world_size
+            if shards is not None:
+                meta["shards"] = _shard_sums(tmp / SHARDS_DIR)
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            _commit(tmp, final, aside)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        _release(tmp, aside)
+        if lead and tmp is not None:
+            _release(tmp, aside)
+    if dist is not None and shards is not None:
+        dist.barrier()   # no rank goes on (or reads it) before rank 0 has committed it
     return final
+
+
+SHARDS_DIR = "shards"
+
+
+def _shard_sums(folder: Path) -> dict[str, str]:
+    """{file name: SHA-256} of a sharded checkpoint's files."""
+    return {f.name: _sha256(f) for f in sorted(folder.iterdir()) if f.is_file()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,6 +250,12 @@ def _problem(p: Path) -> tuple[str | None, dict]:
         return f"meta.json is unreadable: {e}", {}
     if not isinstance(meta, dict) or _sha256(state_file) != meta.get("sha256"):
         return "state.pt is truncated or corrupt: checksum mismatch", {}
+    if isinstance(meta.get("shards"), dict):
+        folder = p / SHARDS_DIR
+        have = _shard_sums(folder) if folder.is_dir() else {}
+        bad = sorted(n for n, h in meta["shards"].items() if have.get(n) != h)
+        if bad:
+            return f"{SHARDS_DIR}/{bad[0]} is missing, truncated or corrupt: checksum mismatch", {}
     return None, meta
 
 
@@ -312,27 +349,83 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(p)!r}: state.pt has the wrong type for {', '.join(wrong)}")
     state["path"] = str(p)
     state["notes"] = notes
+    # a sharded run's weights and optimizer state are in shards/ (read by load_shards), not in state.pt
+    state["shards"] = str(p / SHARDS_DIR) if isinstance(meta.get("shards"), dict) else None
+    state["world_size"] = meta.get("world_size")
     return state
 
 
-def check_resumable(saved: dict, cfg: "TrainConfig", path: str) -> None:
-    """A checkpoint continues only the run it came from: the fields that shape the run must match."""
+def check_resumable(saved: dict, cfg: "TrainConfig", path: str, saved_world: int | None = None,
+                    world: int = 1) -> None:
+    """A checkpoint continues only the run it came from: the fields that shape the run must match. On another
+    number of processes (``saved_world`` -> ``world``), the micro-batch over all of them must: 2 processes x
+    micro 4 continue as 1 x micro 8."""
     def norm(k: str, v: Any) -> Any:
         if k == "max_grad_norm" and not v:
             return None   # None and 0 both mean no clipping
         return v
 
-    diff = [k for k in RESUME_KEYS if norm(k, saved.get(k)) != norm(k, getattr(cfg, k))]
+    keys = RESUME_KEYS
+    if saved_world and saved_world != world:
+        keys = tuple(k for k in RESUME_KEYS if k != "micro_batch_size")
+        mb = saved.get("micro_batch_size")
+        if isinstance(mb, int) and mb * saved_world != cfg.micro_batch_size * world:
+            need = mb * saved_world / world
+            fix = f"micro_batch_size={int(need)}" if need == int(need) else f"a process count dividing {mb * saved_world}"
+            raise CheckpointError(f"cannot resume from {path}: its run took micro-batches of {mb * saved_world} rows "
+                                  f"(micro_batch_size {mb} x {saved_world} processes); this one takes "
+                                  f"{cfg.micro_batch_size} x {world}: use {fix} to continue it")
+    diff = [k for k in keys if norm(k, saved.get(k)) != norm(k, getattr(cfg, k))]
     if diff:
         detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {getattr(cfg, k)!r}" for k in diff)
         raise CheckpointError(f"cannot resume from {path}: the config differs in {detail}")
 
 
+def _shard_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # the trainable weights only, as an unsharded checkpoint holds (a LoRA run's adapters and head)
+    return StateDictOptions(ignore_frozen_params=True)
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's trainable weights and the optimizer's state keyed by parameter name: each rank's own shards
+    under FSDP, whole tensors otherwise (what ``torch.distributed.checkpoint`` saves and loads into)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    opts = _shard_options()
+    return {"model": get_model_state_dict(model, options=opts),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=opts)}
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
+    """Load a sharded checkpoint's ``shards/`` into ``model`` and ``optimizer``, however many processes wrote it
+    and however many read it (DCP re-shards; one plain process reads whole tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    target = sharded_state(model, optimizer)
+    try:
+        dcp.load(target, checkpoint_id=folder)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {folder!r}: the sharded weights do not fit this run's model "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
+    opts = _shard_options()
+    set_model_state_dict(model, target["model"], options=opts)
+    set_optimizer_state_dict(model, optimizer, target["optimizer"], options=opts)
+
+
 def save_run(st, step: int) -> Path:
-    """Checkpoint a run (a ``RunState``) after ``step``: what a resume needs to continue it exactly."""
-    state = {"step": step, "model": trainable_state(st.model), "optimizer": st.optimizer.state_dict(),
+    """Checkpoint a run (a ``RunState``) after ``step``: what a resume needs to continue it exactly. Sharded
+    (FSDP), every rank calls it and writes its shards."""
+    sharded = st.dist.sharded
+    state = {"step": step, "model": {} if sharded else trainable_state(st.model),
+             "optimizer": {} if sharded else st.optimizer.state_dict(),
              "scheduler": st.scheduler.state_dict(), "scaler": st.scaler.state_dict(), "rng": st.rng.state_dict(),
              "prev_scale": st.prev_scale, "data_hash": st.data_hash.hex(), "first_nonfinite": st.first_nonfinite,
              "records": [r.to_dict() for r in st.records], "evals": [r.to_dict() for r in st.evals],
              "config": st.cfg.to_dict(), "lost_updates": st.lost.state_dict()}
-    return save_checkpoint(st.ckpt_dir, step, state, st.cfg.to_yaml(), run_id=st.run_id)
+    if sharded:
+        return save_checkpoint(st.ckpt_dir, step, state, st.cfg.to_yaml(), run_id=st.run_id,
+                               shards=sharded_state(st.model, st.optimizer), dist=st.dist)
+    return save_checkpoint(st.ckpt_dir, step, state, st.cfg.to_yaml(), run_id=st.run_id, world_size=st.dist.world)

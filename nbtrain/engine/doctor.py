@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 
 from ..hardware import capabilities, resolve_precision
+from .distributed import local
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
@@ -119,7 +120,7 @@ def grad_underflow_share(params, samples_per_tensor: int = 1024) -> torch.Tensor
         g = p.grad
         if g is None:
             continue
-        flat = g.detach().reshape(-1)
+        flat = local(g).detach().reshape(-1)   # sharded: this rank's shard (a sample either way)
         s = flat[:: max(1, flat.numel() // samples_per_tensor)].float().abs()
         nz = s > 0
         a, b = ((s < FP16_MIN_NORMAL) & nz).sum(), nz.sum()
@@ -190,7 +191,7 @@ class LostUpdates:
         self._counts: dict[int, tuple[Any, Any]] = {}   # step -> (lost, counted): device tensors or ints
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
-        flat = t.detach().reshape(-1)
+        flat = local(t).detach().reshape(-1)   # sharded (FSDP): this rank's shard, never a collective
         return flat[:: max(1, flat.numel() // self.samples)]
 
     def before(self, step: int, lr: float) -> None:

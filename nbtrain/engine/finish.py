@@ -252,17 +252,26 @@ def finish(st: RunState, step: int, stopped_reason: str, wall: float, underflow,
                 cb_error = e
             # the loop's clock stopped before these answers: wall_s is the whole run, sample_s in it
             wall += sampler.seconds - before
-        if ended_well and st.data.eval and st.dist.rank == 0:
+        # sharded, every rank takes part in each forward (rank 0 alone has callbacks and keeps the record)
+        if ended_well and st.data.eval and (st.dist.rank == 0 or st.dist.sharded):
             try:
                 run_eval(st, step)
             except StopTraining:
                 pass
             except CallbackError as e:
                 cb_error = e
+        model = st.model
+        if st.dist.world > 1 or st.dist.sharded:
+            # the model lives in the workers: rank 0 keeps it whole (consolidated from the shards under FSDP)
+            model = consolidated_model(st)
+            if model is not None and st.cfg.output_dir and ended_well:
+                path = save_model(model, st.tokenizer, st.cfg, Path(st.cfg.output_dir) / FINAL_MODEL_DIR)
+                st.notes.append(f"final model: {path} (save_pretrained{', adapter' if st.cfg.method != 'full' else ''}"
+                                f"{', consolidated from the shards' if st.dist.sharded else ''})")
         summary = summarize(st, stopped_reason, wall, underflow, sampler)
         samples = sampler.records if sampler is not None else []
         result = TrainResult(history=frame(st.records, STEP_FIELDS), eval_history=frame(st.evals, EVAL_FIELDS),
-                             summary=summary, model=st.model, tokenizer=st.tokenizer, config=st.cfg, info=st.info,
+                             summary=summary, model=model, tokenizer=st.tokenizer, config=st.cfg, info=st.info,
                              records=st.records, samples=sample_frame(samples), sample_records=list(samples),
                              chat=sampler.chat if sampler is not None else False)
         if st.cfg.output_dir and st.dist.rank == 0:
@@ -277,6 +286,32 @@ def finish(st: RunState, step: int, stopped_reason: str, wall: float, underflow,
         cb_error.result = result
         raise cb_error
     return result
+
+
+FINAL_MODEL_DIR = "model"   # output_dir/model: a multi-process run's final model, in Hugging Face format
+
+
+def consolidated_model(st: RunState):
+    """Rank 0's whole model at the end of a multi-process run; None on the other ranks. Sharded (FSDP), every
+    rank takes part in gathering the full state dict onto rank 0's CPU, which loads it into a fresh, unsharded
+    copy of the model (the same build as prepare's): the model a single process would return."""
+    if not st.dist.sharded:
+        return st.model if st.dist.rank == 0 else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from ..models import build_model
+    from ..models.tensors import apply_tensor_precision
+    from .rng import RunRng
+
+    full = get_model_state_dict(st.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if st.dist.rank != 0:
+        return None
+    with RunRng(st.cfg.seed, "cpu").active():   # its initial weights are overwritten; no one else's RNG moves
+        plain = build_model(st.cfg, st.tokenizer, st.data.num_labels, st.precision, "cpu",
+                            label_names=st.data.label_names)
+    apply_tensor_precision(plain, st.spec, False)   # bf16-pure: bf16 weights, as trained
+    plain.load_state_dict(full, strict=True)
+    return plain.eval()
 
 
 def write_outputs(result: TrainResult, output_dir) -> Path:

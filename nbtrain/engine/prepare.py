@@ -27,7 +27,7 @@ from ..models.methods import method_notes
 from ..models.tensors import apply_tensor_precision
 from ..precision import PRECISION_TABLE, PrecisionSpec, global_torch_state
 from .callbacks import CallbackList
-from .checkpoint import check_resumable, load_checkpoint
+from .checkpoint import CheckpointError, check_resumable, load_checkpoint, load_shards
 from .distributed import SingleProcess, init_distributed, layer_stack
 from .doctor import LostUpdates
 from .fingerprint import weights_hash
@@ -210,7 +210,8 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
                    max_grad_norm=cfg.max_grad_norm, variant=variant, model=model)
     st = RunState(
         cfg=cfg, device=device, precision=precision, spec=spec, dist=dist,
-        cbs=CallbackList(callbacks if dist.rank == 0 else []), rng=rng, run_id=uuid.uuid4().hex[:8],
+        cbs=CallbackList(callbacks if dist.rank == 0 else []), rng=rng,
+        run_id=dist.broadcast(uuid.uuid4().hex[:8]),   # one id for the run on every rank (sharded checkpoints)
         tokenizer=tokenizer, data=data, model=model, fwd_model=fwd_model, params=params, optimizer=optimizer,
         scheduler=scheduler, scaler=scaler, total_steps=total_steps, info=info,
         nonfinite_policy=cfg.nonfinite or ("skip" if spec.scaler else "stop"),
@@ -218,7 +219,8 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
         lost=LostUpdates(params, total_steps),
         chunk_tokens=chunk_tokens, loss_parts=loss_parts, compiled=compiled, lean=lean, init_hash=init_hash,
         variant=variant, notes=notes, stop_file=os.environ.get("NBTRAIN_STOP_FILE"),
-        ckpt_dir=Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and dist.rank == 0 else None,
+        # rank 0 writes checkpoints; sharded, every rank writes its shards
+        ckpt_dir=Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and (dist.rank == 0 or dist.sharded) else None,
         prev_scale=scaler.get_scale() if spec.scaler else None,
     )
     if cfg.resume_from:
@@ -241,11 +243,17 @@ def adopt_launcher_sharding(cfg: TrainConfig, notes: list[str]) -> TrainConfig:
 def resume(st: RunState, path: str) -> None:
     """Continue the run a checkpoint came from: weights, optimizer, schedule, scaler, random stream, history."""
     ck = load_checkpoint(path)
-    check_resumable(ck["config"], st.cfg, ck["path"])
-    named = dict(st.model.named_parameters())
-    for n, t in ck["model"].items():
-        named[n].data.copy_(t)
-    st.optimizer.load_state_dict(ck["optimizer"])
+    check_resumable(ck["config"], st.cfg, ck["path"], ck["world_size"], st.dist.world)
+    if ck["shards"]:   # written by a sharded run, on any number of processes
+        load_shards(st.model, st.optimizer, ck["shards"])
+    elif st.dist.sharded:
+        raise CheckpointError(f"cannot resume from {ck['path']} with sharding='fsdp': it was written by an "
+                              "unsharded run (whole tensors in state.pt); resume it with sharding='none'")
+    else:
+        named = dict(st.model.named_parameters())
+        for n, t in ck["model"].items():
+            named[n].data.copy_(t)
+        st.optimizer.load_state_dict(ck["optimizer"])
     st.scheduler.load_state_dict(ck["scheduler"])
     st.scaler.load_state_dict(ck["scaler"])
     st.rng.load_state_dict(ck["rng"])
@@ -255,7 +263,8 @@ def resume(st: RunState, path: str) -> None:
     st.data_hash, st.first_nonfinite = bytes.fromhex(ck["data_hash"]), ck["first_nonfinite"]
     st.lost.load_state_dict(ck.get("lost_updates", {}))
     st.notes.extend(ck.get("notes", []))
-    st.notes.append(f"resumed from {ck['path']} at step {st.start_step}")
+    written = f" (written by {ck['world_size']} processes, read by {st.dist.world})" if ck["shards"] else ""
+    st.notes.append(f"resumed from {ck['path']} at step {st.start_step}{written}")
 
 
 def compile_blocks(model, **compile_kwargs) -> list[torch.nn.Module]:

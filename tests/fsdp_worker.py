@@ -1,0 +1,121 @@
+"""Run under torchrun by tests/test_fsdp.py: several runs in one process group (one start-up for all of them).
+
+Each scenario trains with ``nbt.train`` in the group this script creates; rank 0 writes what the tests compare
+(losses, grad norms, skips, scales, notes, final weights) to OUT/<scenario>.pt. Usage:
+    torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import nbtrain as nbt
+import nbtrain.engine.distributed as nbdist
+
+BASE = dict(model="tiny", subset=64, max_seq_len=48, max_steps=4, eval_fraction=0.0, precision="fp32", lr=1e-3,
+            micro_batch_size=4, sharding="fsdp")
+RANK = int(os.environ["RANK"])
+
+
+class Inspect:
+    """On rank 0 at the start: how FSDP holds the model (the policy, the shards)."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_run_start(self, info):
+        model = info.model
+        state = model._get_fsdp_state()
+        policy = state._mp_policy
+        p = next(p for p in model.parameters() if p.requires_grad)
+        self.seen = {"param_dtype": str(policy.param_dtype), "reduce_dtype": str(policy.reduce_dtype),
+                     "param_is_dtensor": type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"),
+                     "local_numel": p._local_tensor.numel(), "numel": p.numel(), "master_dtype": str(p.dtype)}
+
+
+def inf_on_rank1(make):
+    """FSDPContext.make_scaler, but on rank 1 its ShardedGradScaler puts an inf into that rank's shard of one
+    gradient at step 2: the inf is on one rank only, so the step is skipped on all only if the check is
+    all-reduced."""
+
+    def make_scaler(ctx, spec, device):
+        scaler = make(ctx, spec, device)
+        if not spec.scaler or ctx.rank != 1:
+            return scaler
+        original, calls = scaler.unscale_, [0]
+
+        def unscale_(optimizer):
+            calls[0] += 1
+            if calls[0] == 2:
+                nbdist.local(optimizer.param_groups[0]["params"][0].grad).view(-1)[0] = float("inf")
+            return original(optimizer)
+
+        scaler.unscale_ = unscale_
+        return scaler
+
+    return make_scaler
+
+
+def run(name, out, callbacks=(), **changes):
+    result = nbt.train(nbt.TrainConfig(**{**BASE, **changes}), callbacks=list(callbacks))
+    h = result.history
+    rec = {"loss": h["loss"].tolist(), "grad_norm": h["grad_norm"].tolist(), "skipped": h["skipped"].tolist(),
+           "scale": h["scale"].tolist(), "tokens": h["tokens"].tolist(), "notes": list(result.summary["notes"]),
+           "host_tensors_gib": h["host_tensors_gib"].tolist(), "summary": dict(result.summary)}
+    # every rank's own view of the skips (a skip must be on all of them)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rec["skipped"])
+    rec["skipped_by_rank"] = gathered
+    if RANK == 0:
+        rec["weights"] = {k: v.detach().cpu().clone() for k, v in result.model.state_dict().items()}
+        torch.save(rec, out / f"{name}.pt")
+    return rec
+
+
+def scenarios(out: Path) -> dict:
+    """name -> what it runs (in this order)."""
+    seen = Inspect()
+
+    def bf16():
+        run("fsdp_bf16", out, callbacks=[seen], precision="bf16")
+        if RANK == 0:
+            torch.save(seen.seen, out / "fsdp_bf16_inspect.pt")
+
+    def fp16_inf():
+        make = nbdist.FSDPContext.make_scaler
+        nbdist.FSDPContext.make_scaler = inf_on_rank1(make)
+        try:
+            run("fsdp_fp16_inf", out, precision="fp16", max_steps=3)
+        finally:
+            nbdist.FSDPContext.make_scaler = make
+
+    ck = out / "ck"
+    return {
+        "fsdp_full": lambda: run("fsdp_full", out),
+        "ddp_full": lambda: run("ddp_full", out, sharding="none"),
+        "fsdp_lora": lambda: run("fsdp_lora", out, method="lora"),
+        "ddp_lora": lambda: run("ddp_lora", out, method="lora", sharding="none"),
+        "fsdp_accum": lambda: run("fsdp_accum", out, micro_batch_size=2, grad_accum_steps=2),
+        "fsdp_bf16": bf16,
+        "fsdp_fp16_inf": fp16_inf,
+        "fsdp_ckpt": lambda: run("fsdp_ckpt", out, output_dir=str(ck), save_every=2),
+        "fsdp_resume": lambda: run("fsdp_resume", out, output_dir=str(out / "ck_resumed"),
+                                   resume_from=str(ck / "checkpoints" / "step-000002")),
+    }
+
+
+def main(out: Path, names: list[str]):
+    dist.init_process_group("gloo")
+    out.mkdir(parents=True, exist_ok=True)
+    todo = scenarios(out)
+    for name in names or list(todo):
+        todo[name]()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
