@@ -9,7 +9,16 @@ import torch
 
 from ...config import TrainConfig
 from ...hardware import resolve_precision
-from .mapping import write_text, yaml_text
+from .mapping import FSDP_STATE_DICT, FSDP_WRAP, fsdp_layer_class, reshard_note, write_text, yaml_text
+
+# what ``accelerate launch`` (1.15) sets in each process's environment from this file's fsdp_config, beside
+# torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT: nbtrain's worker
+# adopts sharding="fsdp" from ACCELERATE_USE_FSDP and reshard_after_forward from FSDP_RESHARD_AFTER_FORWARD
+ACCELERATE_FSDP_ENV = ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_AUTO_WRAP_POLICY",
+                       "FSDP_TRANSFORMER_CLS_TO_WRAP", "FSDP_STATE_DICT_TYPE", "FSDP_OFFLOAD_PARAMS",
+                       "FSDP_CPU_RAM_EFFICIENT_LOADING", "FSDP_SYNC_MODULE_STATES", "FSDP_ACTIVATION_CHECKPOINTING",
+                       "FSDP_SHARDING_STRATEGY", "FSDP_MIN_NUM_PARAMS", "FSDP_FORWARD_PREFETCH",
+                       "FSDP_USE_ORIG_PARAMS", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD")
 
 
 def accelerate_config(cfg: TrainConfig, num_processes: Optional[int] = None) -> dict[str, Any]:
@@ -24,17 +33,43 @@ def accelerate_config(cfg: TrainConfig, num_processes: Optional[int] = None) -> 
     ``fp8_config: {backend: AO}`` (accelerate's FP8BackendType.AO, torchao: float8 linears, bf16 autocast
     elsewhere, as nbtrain's fp8). nbtrain's own loop makes no Accelerator and reads neither; it converts its
     linear layers itself.
+
+    How ``accelerate launch`` starts the processes follows ``distributed_type`` (accelerate 1.15): FSDP and MULTI_GPU
+    go through torchrun (N processes with RANK / WORLD_SIZE / MASTER_ADDR), MULTI_CPU through mpirun and only with
+    an mpirun hostfile, else as one plain process. So several processes on a machine without CUDA are MULTI_GPU
+    with ``use_cpu: true`` (the processes join over gloo; "GPU" names only the launcher), and sharding="fsdp" is
+    FSDP on CPU and GPU alike (checked on CPU: both start N ranks). Writing this file and passing
+    ``--config_file`` is all a launch needs.
+
+    sharding="fsdp": ``distributed_type: FSDP`` with ``fsdp_config`` (FSDP2, each decoder layer wrapped, its class
+    named when the architecture can be read here, ``fsdp_reshard_after_forward``, sharded checkpoints, every process
+    loading the weights as nbtrain's do). ``accelerate launch`` hands these to each process as environment variables
+    (``ACCELERATE_FSDP_ENV``); nbtrain's worker adopts sharding="fsdp" and reshard_after_forward from them when its
+    config says sharding="none". Activation checkpointing stays the script's (cfg.gradient_checkpointing; the
+    training-args export puts it in its own fsdp_config), so it is never applied twice.
     """
     cuda = torch.cuda.is_available()
     n = int(num_processes) if num_processes else max(1, torch.cuda.device_count() if cuda else 1)
     fp8 = resolve_precision(cfg.precision) == "fp8"
+    fsdp = cfg.sharding == "fsdp"
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": ("MULTI_GPU" if cuda else "MULTI_CPU") if n > 1 else "NO",
+        # MULTI_GPU also on CPU: MULTI_CPU would start a single process (see above)
+        "distributed_type": "FSDP" if fsdp else "MULTI_GPU" if n > 1 else "NO",
         "mixed_precision": "fp8" if fp8 else "no",
     }
     if fp8:
         out["fp8_config"] = {"backend": "AO"}
+    if fsdp:
+        conf: dict[str, Any] = {"fsdp_version": 2, "fsdp_auto_wrap_policy": FSDP_WRAP}
+        layer = fsdp_layer_class(cfg)
+        if layer:   # else accelerate wraps the model's _no_split_modules
+            conf["fsdp_transformer_layer_cls_to_wrap"] = layer
+        conf.update(fsdp_reshard_after_forward=cfg.reshard_after_forward, fsdp_state_dict_type=FSDP_STATE_DICT,
+                    fsdp_offload_params=False,
+                    # every process loads the weights, as nbtrain's do (True would need sync_module_states)
+                    fsdp_cpu_ram_efficient_loading=False, fsdp_activation_checkpointing=False)
+        out["fsdp_config"] = conf
     out.update({
         "num_machines": 1,
         "machine_rank": 0,
@@ -67,6 +102,17 @@ def accelerate_config_notes(cfg: TrainConfig) -> dict[str, str]:
     if cfg.stochastic_rounding:
         notes["stochastic_rounding"] = ("stochastic_rounding=True: an optimizer setting, not accelerate's; nbtrain's "
                                         "own loop applies it")
+    if cfg.sharding == "fsdp":
+        why = ["sharding='fsdp': nbtrain's loop shards with FSDP2 itself (reading the launcher's FSDP settings); a "
+               "Trainer script launched with this file gets accelerate's FSDP2"]
+        if precision in ("bf16", "fp16", "fp8"):
+            why.append("there the gradients are reduced in the parameters' dtype, nbtrain reduces them in float32")
+        if not fsdp_layer_class(cfg):
+            why.append("the decoder layer class could not be read here (the model is not cached), so "
+                       "fsdp_transformer_layer_cls_to_wrap is left out and accelerate wraps the model's "
+                       "_no_split_modules")
+        notes["sharding"] = "; ".join(why)
+    notes.update(reshard_note(cfg))
     return notes
 
 

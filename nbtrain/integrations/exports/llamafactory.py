@@ -5,8 +5,13 @@ Plain text exports as ``stage: pt``; instruction / chat data (``mapping.chat_for
 ``"auto"`` on nbtrain's builtin chat set) as ``stage: sft`` with ``template`` (chatml, llama3 and alpaca are
 LLaMA-Factory's names too; ``"auto"`` leaves it unset, so LLaMA-Factory parses the tokenizer's own template, as
 nbtrain does), ``train_on_prompt`` (train_on="all"), ``mask_history`` (train_on="last") and ``neat_packing``
-with packing (packed examples do not attend to each other). The dataset is a name in ``dataset_dir``'s
-``dataset_info.json``: ``llamafactory_dataset_info(cfg)`` is its entry (``formatting``, ``columns`` and, for
+with packing (packed examples do not attend to each other). sharding="fsdp" is the TrainingArguments keys
+LLaMA-Factory passes on (``fsdp: full_shard auto_wrap``, or ``shard_grad_op`` without resharding, and
+``fsdp_config``: FSDP2, sharded checkpoints); run it with ``accelerate launch --config_file <nbtrain export --to
+accelerate-config> src/train.py FILE`` in a LLaMA-Factory checkout (as its FSDP examples launch), or
+``FORCE_TORCHRUN=1 llamafactory-cli train FILE``, which reads these keys alone.
+
+The dataset is a name in ``dataset_dir``'s ``dataset_info.json``: ``llamafactory_dataset_info(cfg)`` is its entry (``formatting``, ``columns`` and, for
 sharegpt / messages rows, ``tags``), and ``to_llamafactory_yaml(cfg, path)`` writes it into
 ``dataset_info.json`` beside the YAML (merged into one already there). The importer reads all of it back.
 """
@@ -31,13 +36,19 @@ from .mapping import (
     Reader,
     chat_format,
     column,
+    fsdp_layer_class,
+    fsdp_notes,
+    hf_fsdp_config,
+    hf_fsdp_option,
     hf_scheduler,
     intlike,
     non_default_notes,
     optimizer_in,
     plain_text_chat_notes,
+    reshard_note,
     sample_notes,
     scheduler_in,
+    sharding_in,
     stochastic_rounding_notes,
     targets_in,
     targets_out,
@@ -53,7 +64,7 @@ LLAMAFACTORY_FIELDS = (
     "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits", "gradient_checkpointing",
     "lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm", "packing",
     "eval_fraction", "eval_every", "log_every", "seed", "output_dir", "save_every",
-    "data_format", "columns", "chat_template", "train_on", "optimizer",
+    "data_format", "columns", "chat_template", "train_on", "optimizer", "sharding", "reshard_after_forward",
 )
 # nbtrain's template names that are LLaMA-Factory's too (the same prompt layout)
 LF_TEMPLATES = ("chatml", "llama3", "alpaca")
@@ -242,6 +253,16 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
         train.update(fp8=True, fp8_backend="torchao")
     if precision == "tf32":
         train["tf32"] = True
+    if cfg.sharding == "fsdp":
+        # the option string: LLaMA-Factory pins transformers 4.55-5.8, which all take it (5.2x also fsdp=True);
+        # gradient checkpointing stays LLaMA-Factory's own (disable_gradient_checkpointing), not FSDP's
+        layer = fsdp_layer_class(cfg)
+        train.update(fsdp=hf_fsdp_option(cfg), fsdp_config=hf_fsdp_config(cfg, layer))
+        notes.update(fsdp_notes(cfg, layer, "LLaMA-Factory"))
+        notes["sharding"] += ("; with LLaMA-Factory: accelerate launch --config_file <nbtrain export --to "
+                              "accelerate-config> src/train.py <this file> in its checkout (as its FSDP examples), "
+                              "or FORCE_TORCHRUN=1 llamafactory-cli train <this file>")
+    notes.update(reshard_note(cfg))
     evals: dict[str, Any] = {"eval_strategy": "steps" if cfg.eval_every else "no"}
     if cfg.eval_every:
         evals.update(eval_steps=cfg.eval_every, per_device_eval_batch_size=cfg.micro_batch_size)
@@ -412,6 +433,7 @@ def _read_llamafactory(path, overrides):
         if r.has(key):
             gc = gc or bool(r.take(key))
     kw["gradient_checkpointing"] = gc
+    sharding_in(r)   # after: FSDP's activation_checkpointing turns gradient checkpointing on too
 
     strategy = str(r.take("eval_strategy"))
     eval_steps = r.take("eval_steps", int)

@@ -296,3 +296,178 @@ def sample_notes(cfg: TrainConfig, tool: str) -> dict[str, str]:
     """Notes naming nbtrain's sample settings (prompts answered while training), which no tool has."""
     return non_default_notes(cfg, SAMPLE_FIELDS, f"has no {tool} equivalent (nbtrain's readable samples while "
                                                  "training); not exported")
+
+
+# -- sharding (FSDP2) ----------------------------------------------------------------------------------------
+# what nbtrain's sharding="fsdp" is in the tools' words: each decoder layer wrapped (transformers' / accelerate's
+# TRANSFORMER_BASED_WRAP), FSDP2, sharded checkpoints (nbtrain writes its final model as a full state dict)
+FSDP_WRAP = "TRANSFORMER_BASED_WRAP"
+FSDP_STATE_DICT = "SHARDED_STATE_DICT"
+# transformers' ``fsdp`` options (FSDPOption) and what nbtrain makes of them
+_FSDP_RESHARD = {"full_shard": True, "shard_grad_op": False}
+_FSDP_HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
+_OFF = (None, False, "", "false", "none", "no")
+
+
+def fsdp_layer_class(cfg: TrainConfig) -> Optional[str]:
+    """The class name of the blocks nbtrain wraps under sharding="fsdp" (the model's largest ModuleList of identical
+    blocks, nbtrain.engine.distributed.layer_stack's rule), read from the architecture without weights; None when
+    the architecture cannot be read here (a Hub model that is not cached) or has no such stack."""
+    import torch
+
+    from ...models.loading import ModelError, meta_model
+
+    try:
+        model = meta_model(cfg.model, cfg.task)
+    except ModelError:
+        return None
+    best, best_n = None, 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(m) for m in mod}) == 1:
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_n:
+                best, best_n = mod, n
+    return type(best[0]).__name__ if best is not None else None
+
+
+def hf_fsdp_config(cfg: TrainConfig, layer: Optional[str] = None) -> dict[str, Any]:
+    """TrainingArguments' ``fsdp_config`` for sharding="fsdp" (transformers 5's key names; transformers 4 reads the
+    same ones): FSDP2, reshard_after_forward, each ``layer`` wrapped (left to the model's ``_no_split_modules`` when
+    None), sharded checkpoints, every process loading the weights (as nbtrain does)."""
+    out: dict[str, Any] = {"version": 2, "reshard_after_forward": cfg.reshard_after_forward,
+                           "auto_wrap_policy": FSDP_WRAP}
+    if layer:
+        out["transformer_layer_cls_to_wrap"] = [layer]
+    out.update(state_dict_type=FSDP_STATE_DICT, cpu_ram_efficient_loading=False)
+    return out
+
+
+def hf_fsdp_option(cfg: TrainConfig) -> str:
+    """The legacy string form of TrainingArguments' ``fsdp`` (what transformers 4 and LLaMA-Factory's pinned
+    versions take): full_shard (reshard after forward) or shard_grad_op (keep the gathered weights), auto_wrap."""
+    return ("full_shard" if cfg.reshard_after_forward else "shard_grad_op") + " auto_wrap"
+
+
+def fsdp_notes(cfg: TrainConfig, layer: Optional[str], tool: str) -> dict[str, str]:
+    """What a Trainer-based tool's FSDP runs differently from nbtrain's (sharding="fsdp" only)."""
+    if cfg.sharding != "fsdp":
+        return {}
+    from ...hardware import resolve_precision
+
+    notes = {}
+    what = [f"sharding='fsdp': {tool} runs FSDP2 through accelerate; launch it on several processes (accelerate "
+            "launch --config_file <nbtrain export --to accelerate-config>, or torchrun)"]
+    if resolve_precision(cfg.precision) in ("bf16", "fp16", "fp8"):
+        what.append("accelerate's FSDP2 mixed precision reduces gradients in the parameters' dtype (bf16/fp16); "
+                    "nbtrain reduces them in float32")
+    what.append("its checkpoints are SHARDED_STATE_DICT, as nbtrain's; nbtrain also saves the final model whole, "
+                "for the tool's run gather the shards with accelerate merge-weights (or set state_dict_type "
+                "FULL_STATE_DICT)")
+    notes["sharding"] = "; ".join(what)
+    if not layer:
+        notes["fsdp_config"] = ("the decoder layer class could not be read here (the model is not cached): "
+                                "transformer_layer_cls_to_wrap is left out, so the wrap falls back to the model's "
+                                "_no_split_modules (its decoder layers for transformers models)")
+    return notes
+
+
+def reshard_note(cfg: TrainConfig) -> dict[str, str]:
+    """A note for reshard_after_forward set under sharding="none", where nothing carries it."""
+    if cfg.sharding == "none" and cfg.reshard_after_forward != TrainConfig.model_fields["reshard_after_forward"].default:
+        return {"reshard_after_forward": "reshard_after_forward=False only applies with sharding='fsdp'; not written"}
+    return {}
+
+
+def sharding_in(r: Reader, fsdp_key: str = "fsdp", config_key: str = "fsdp_config") -> None:
+    """TrainingArguments' ``fsdp`` / ``fsdp_config`` (as a YAML tool passes them on) as sharding and
+    reshard_after_forward. FSDP1 settings read as sharding="fsdp" with a warning that nbtrain runs FSDP2; CPU offload,
+    hybrid sharding, other wrap policies and full-state-dict checkpoints are named in the warning."""
+    fsdp = r.doc.pop(fsdp_key, None)
+    raw = r.doc.pop(config_key, None)
+    off = fsdp.strip().lower() in _OFF if isinstance(fsdp, str) else (fsdp in _OFF or fsdp == [])
+    if off:
+        r.kw["sharding"] = "none"
+        if raw not in (None, {}, ""):
+            r.unmapped[config_key], r.why[config_key] = raw, f"{fsdp_key} is off: the Trainer ignores it"
+        return
+    if not isinstance(raw, (dict, type(None))):
+        r.unmapped[config_key], r.why[config_key] = raw, "a JSON file path: nbtrain reads fsdp_config as a mapping"
+        raw = {}
+    # transformers strips the fsdp_ prefix of fsdp_config keys; so does this
+    conf = {(k[5:] if str(k).startswith("fsdp_") else str(k)): v for k, v in (raw or {}).items()}
+    options = ([] if fsdp is True else str(fsdp).replace(",", " ").lower().split() if isinstance(fsdp, str)
+               else [str(o).lower() for o in fsdp] if isinstance(fsdp, list) else None)
+    if options is None:
+        r.unmapped[fsdp_key], r.why[fsdp_key] = fsdp, "not a boolean, an option string or a list of options"
+        return
+    r.kw["sharding"] = "fsdp"
+    reshard = True
+    for opt in options:
+        if opt in _FSDP_RESHARD:
+            reshard = _FSDP_RESHARD[opt]
+        elif opt == "no_shard":   # FSDP1's NO_SHARD is data parallel: nbtrain's DDP
+            r.kw["sharding"] = "none"
+        elif opt in _FSDP_HYBRID:
+            r.unmapped[f"{fsdp_key}.{opt}"] = True
+            r.why[f"{fsdp_key}.{opt}"] = ("FSDP1's hybrid sharding (shards within a node, replicas across nodes): "
+                                          "nbtrain shards over every process (same training, other traffic)")
+        elif opt == "offload":
+            r.unmapped[f"{fsdp_key}.offload"] = True
+            r.why[f"{fsdp_key}.offload"] = ("CPU offload of parameters and gradients: nbtrain's FSDP2 keeps them on "
+                                            "the GPU (more GPU memory than this config's run)")
+        elif opt != "auto_wrap":
+            r.unmapped[f"{fsdp_key}.{opt}"], r.why[f"{fsdp_key}.{opt}"] = True, "not an FSDP option nbtrain knows"
+    version = conf.pop("version", None)
+    if version is None or str(version) != "2":
+        key = f"{config_key}.version"
+        r.unmapped[key] = version
+        r.why[key] = ("FSDP1 (version 1)" if version is not None else
+                      "no version: transformers 4 runs FSDP1, transformers 5 FSDP2") + \
+            "; nbtrain runs FSDP2 (fully_shard), the same sharding of parameters, gradients and optimizer state"
+    if "reshard_after_forward" in conf:   # the config's own value wins over the option string, as in transformers
+        v = conf.pop("reshard_after_forward")
+        text = str(v).strip().lower()
+        if text in ("true", "false"):
+            reshard = text == "true"
+        elif text in _FSDP_RESHARD:   # FSDP1 writes the sharding strategy here
+            reshard = _FSDP_RESHARD[text]
+        elif text == "no_shard":
+            r.kw["sharding"] = "none"
+        else:
+            r.unmapped[f"{config_key}.reshard_after_forward"] = v
+            r.why[f"{config_key}.reshard_after_forward"] = ("hybrid sharding: nbtrain shards over every process"
+                                                            if text in _FSDP_HYBRID else "not a bool or a strategy")
+    if r.kw["sharding"] == "fsdp":
+        r.kw["reshard_after_forward"] = reshard
+    policy = str(conf.pop("auto_wrap_policy", FSDP_WRAP)).upper()
+    if policy != FSDP_WRAP:
+        r.unmapped[f"{config_key}.auto_wrap_policy"] = policy
+        r.why[f"{config_key}.auto_wrap_policy"] = "nbtrain wraps each decoder layer (TRANSFORMER_BASED_WRAP)"
+    conf.pop("transformer_layer_cls_to_wrap", None)   # nbtrain finds the decoder layers itself
+    if policy == FSDP_WRAP:
+        conf.pop("min_num_params", None)   # only SIZE_BASED_WRAP reads it
+    state = str(conf.pop("state_dict_type", "FULL_STATE_DICT")).upper()
+    if state != FSDP_STATE_DICT:
+        r.unmapped[f"{config_key}.state_dict_type"] = state
+        r.why[f"{config_key}.state_dict_type"] = ("nbtrain's checkpoints are sharded (SHARDED_STATE_DICT); its "
+                                                  "final model is saved whole")
+    for key in ("cpu_offload", "offload_params"):
+        if key in conf and str(conf[key]).lower() == "true":
+            r.unmapped[f"{config_key}.{key}"] = conf.pop(key)
+            r.why[f"{config_key}.{key}"] = "CPU offload: nbtrain's FSDP2 keeps parameters and gradients on the GPU"
+        conf.pop(key, None)
+    if str(conf.pop("activation_checkpointing", False)).lower() == "true":
+        r.kw["gradient_checkpointing"] = True   # FSDP's checkpoint wrapper on each layer: nbtrain's checkpointing
+    if str(conf.get("cpu_ram_efficient_loading", False)).lower() != "true":
+        conf.pop("cpu_ram_efficient_loading", None)
+    # inert for FSDP2 (transformers reads them for FSDP1 only) or what nbtrain does anyway
+    for key in ("sync_module_states", "use_orig_params", "forward_prefetch", "backward_prefetch",
+                "limit_all_gathers", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt"):
+        if key in conf and (str(conf[key]).lower() in ("false", "no_prefetch") or key in ("sync_module_states",
+                                                                                              "use_orig_params")):
+            conf.pop(key)
+    for key, v in conf.items():
+        r.unmapped[f"{config_key}.{key}"] = v
+        r.why[f"{config_key}.{key}"] = ("loads the weights in the first process only; nbtrain loads them in every "
+                                        "process" if key == "cpu_ram_efficient_loading" else
+                                        "an FSDP setting with no nbtrain equivalent")

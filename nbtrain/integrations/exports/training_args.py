@@ -27,7 +27,17 @@ from ...config import TrainConfig
 from ...hardware import default_device, resolve_precision
 from ...models.loading import ModelError, head_module_names, meta_model
 from ...models.methods import bnb_config, lora_config
-from .mapping import OPTIM_NAMES, SGD_MOMENTUM, SGD_OPTIM_ARGS, hf_scheduler
+from .mapping import (
+    OPTIM_NAMES,
+    SGD_MOMENTUM,
+    SGD_OPTIM_ARGS,
+    fsdp_layer_class,
+    fsdp_notes,
+    hf_fsdp_config,
+    hf_fsdp_option,
+    hf_scheduler,
+    reshard_note,
+)
 
 
 def _checkpointing_arg(args_cls: Any = None) -> str:
@@ -36,6 +46,13 @@ def _checkpointing_arg(args_cls: Any = None) -> str:
     names = set(getattr(args_cls or TrainingArguments, "__dataclass_fields__", {}))
     return "gradient_checkpointing" if "activation_checkpointing" not in names and "gradient_checkpointing" in names \
         else "activation_checkpointing"
+
+
+def _fsdp_arg(cfg: TrainConfig, args_cls: Any = None):
+    # transformers 5.2x takes fsdp=True and reads everything from fsdp_config (the option string is deprecated
+    # there); older versions take the option string ("full_shard auto_wrap"), which this install's does not want
+    cls = args_cls or TrainingArguments
+    return True if hasattr(cls, "_apply_legacy_fsdp_to_config") else hf_fsdp_option(cfg)
 
 
 def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None,
@@ -78,7 +95,15 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
         kw["eval_steps"] = cfg.eval_every
     if cfg.save_every:
         kw["save_steps"] = cfg.save_every
-    if cfg.gradient_checkpointing:
+    if cfg.sharding == "fsdp":
+        kw["fsdp"] = _fsdp_arg(cfg)
+        kw["fsdp_config"] = hf_fsdp_config(cfg, fsdp_layer_class(cfg))
+        if cfg.gradient_checkpointing:
+            # under FSDP the Trainer's own flag re-gathers each layer in backward a second time (transformers says
+            # prefer FSDP's; transformers 4 refuses both at once): FSDP's checkpoint wrapper on each layer instead
+            kw[ckpt] = False
+            kw["fsdp_config"]["activation_checkpointing"] = True
+    if cfg.gradient_checkpointing and kw[ckpt]:
         kw[f"{ckpt}_kwargs"] = {"use_reentrant": False}   # nbtrain's checkpointing style
     if cfg.optimizer == "sgd":
         kw["optim_args"] = SGD_OPTIM_ARGS   # the Trainer's SGD has no momentum unless told; nbtrain's has 0.9
@@ -115,6 +140,12 @@ def training_arguments_notes(cfg: TrainConfig) -> dict[str, str]:
                               "with accelerate launch --config_file <nbtrain export --to accelerate-config> "
                               "(mixed_precision fp8, fp8_config backend AO: torchao float8 linears, bf16 autocast "
                               "elsewhere); bf16=True would override the launcher's fp8")
+    notes.update(fsdp_notes(cfg, fsdp_layer_class(cfg) if cfg.sharding == "fsdp" else None, "the Trainer"))
+    if cfg.sharding == "fsdp" and cfg.gradient_checkpointing:
+        notes["gradient_checkpointing"] = ("gradient_checkpointing=True under FSDP is fsdp_config "
+                                           "activation_checkpointing (FSDP's checkpoint wrapper on each layer), with "
+                                           "the Trainer's own flag off")
+    notes.update(reshard_note(cfg))
     if cfg.stochastic_rounding:
         notes["stochastic_rounding"] = (
             "stochastic_rounding=True has no optim name: the Trainer's AdamW on bf16 weights rounds to nearest "
