@@ -103,7 +103,7 @@ def cmd_estimate(args) -> int:
     from .memory import estimate_memory, format_estimate
 
     cfg = _load_config(args.config, args.set)
-    print(format_estimate(estimate_memory(cfg)))
+    print(format_estimate(estimate_memory(cfg, world_size=args.world_size)))
     return 0
 
 
@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("estimate", help="estimate the memory a config needs, with advice when it does not fit")
     with_config(e)
+    e.add_argument("--world-size", type=int, default=1, metavar="N",
+                   help="the processes the run will have: every number is then one process's (sharding=fsdp: "
+                        "split N ways, plus the gathered layers; none: DDP, a whole copy each)")
     e.set_defaults(fn=cmd_estimate)
 
     x = sub.add_parser("export", help="write the config for transformers, LLaMA-Factory, AutoTrain or accelerate")

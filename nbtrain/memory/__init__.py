@@ -17,7 +17,7 @@ docs/memory-model.md derives the terms.
 from __future__ import annotations
 
 from ..config import TrainConfig
-from .advice import advise, oom_advice
+from .advice import advise, min_world_size, oom_advice
 from .estimate import Advice, MemoryEstimate, check_estimable, estimate_once, target
 from .estimate import target_fraction as estimate_target_fraction
 from .report import EstimateReport, estimate_html, estimate_report, estimate_text, fmt_gib
@@ -30,7 +30,7 @@ format_estimate = estimate_text
 
 
 def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, device: str | None = None,
-                    target_fraction: float | None = None, data=None) -> MemoryEstimate:
+                    target_fraction: float | None = None, data=None, world_size: int = 1) -> MemoryEstimate:
     """Estimate the memory one training step of ``cfg`` needs, from the model config alone.
 
     ``device_total_gib`` defaults to this device's memory (host RAM on CPU); ``device`` ("cuda" or
@@ -43,12 +43,21 @@ def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, 
     estimate cannot read the data, so it counts every position unless told: ``target_fraction`` (the share of
     the B x (T - 1) positions with a target; chat data with completion-only loss: the answer tokens), or
     ``data`` (a DataBundle, e.g. ``nbtrain.data.load_data(cfg, tokenizer)``), whose examples give it.
+
+    ``world_size``: the processes the run has (micro_batch_size is per process); every number is then one
+    process's: under ``sharding="fsdp"`` weights, gradients and optimizer state split world_size ways plus the
+    gathered layers, else (DDP) a whole copy with its gradient buckets. ``min_world_size`` says from how many
+    processes the config under fsdp fits ``device_total_gib`` each.
     """
     check_estimable(cfg)
+    if int(world_size) < 1:
+        raise ValueError(f"world_size: at least 1 process, got {world_size}")
+    world_size = int(world_size)
     if target_fraction is None and data is not None:
         target_fraction = estimate_target_fraction(data, cfg.max_seq_len)
     where = target(device, device_total_gib, target_fraction)
-    est = estimate_once(cfg, where.device, where.total_gib, where.name, target_fraction)
+    est = estimate_once(cfg, where.device, where.total_gib, where.name, target_fraction, world_size)
+    est.min_world_size, est.fsdp_refused = min_world_size(cfg, where)
     if not est.fits:
-        est.advice = advise(cfg, where)
+        est.advice = advise(cfg, where, world_size)
     return est

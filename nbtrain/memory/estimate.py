@@ -11,7 +11,7 @@ from ..hardware import Capabilities, capabilities, default_device, resolve_preci
 from ..models import check_lora_targets
 from ..precision import PRECISION_TABLE
 from .facts import NUM_LABELS
-from .report import PART_ROWS, estimate_html, estimate_text
+from .report import PART_ROWS, RANK_ROWS, estimate_html, estimate_text
 from .timeline import step_peak
 
 GIB = 2**30
@@ -30,6 +30,7 @@ class Advice:
     description: str
     total_gib: float
     fits: bool
+    world_size: int = 1               # the processes it needs (sharding="fsdp" over several GPUs)
 
 
 @dataclass
@@ -70,12 +71,28 @@ class MemoryEstimate:
     # what a CPU run records as StepRecord.host_tensors_gib: weights, optimizer state and the tensors saved for
     # backward (short-lived tensors are not seen), or weights + gradients + optimizer state at the optimizer step
     run_tensors_gib: float = 0.0
+    # Several processes: every number above is one process's (rank 0's). sharding="fsdp" over world_size ranks
+    # splits weights, gradients and optimizer state world_size ways and adds ``gathered_gib``: the groups gathered
+    # in the peak's phase (the root, the running layer and the next one prefetched, a layer's unsharded gradients
+    # before their reduce-scatter). sharding="none" with world_size > 1 is DDP: a whole copy per rank plus
+    # ``buckets_gib``, its gradient buckets. world_size=1 is one process: nothing is sharded.
+    world_size: int = 1
+    sharding: str = "none"
+    gathered_gib: float = 0.0
+    buckets_gib: float = 0.0
+    # the smallest world size (1, 2, 4, ... 512) at which this config under sharding="fsdp" fits this device's
+    # memory per rank; None when none does (or fsdp cannot run this config: ``fsdp_refused`` says why)
+    min_world_size: Optional[int] = None
+    fsdp_refused: str = ""
 
     def table(self):
         """The parts as a DataFrame (part, GiB); the total is the step's peak, not their sum."""
         import pandas as pd   # pandas is only needed for this view
 
-        return pd.DataFrame([(name, getattr(self, attr)) for name, attr in PART_ROWS], columns=["part", "GiB"])
+        rows = [(name, getattr(self, attr)) for name, attr in PART_ROWS]
+        # several processes: FSDP's gathered groups, DDP's buckets, before the overhead when there are some
+        rows[-2:-2] = [(name, getattr(self, attr)) for name, attr in RANK_ROWS if getattr(self, attr)]
+        return pd.DataFrame(rows, columns=["part", "GiB"])
 
     def versus(self, measured_peak_gib: float | Any) -> dict[str, float]:
         """Estimated tensor peak beside a measured one (a GiB value, or a TrainResult's summary peak)."""
@@ -119,8 +136,9 @@ def estimate_precision(cfg: TrainConfig, device: str) -> str:
 
 
 def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device_name: str,
-                  target_fraction: Optional[float] = None) -> MemoryEstimate:
-    """The estimate of ``cfg`` on ``device`` with ``device_total_gib`` of memory, without advice.
+                  target_fraction: Optional[float] = None, world_size: int = 1) -> MemoryEstimate:
+    """The estimate of ``cfg`` on ``device`` with ``device_total_gib`` of memory, without advice, for one of
+    ``world_size`` processes.
 
     ``target_fraction`` (causal LM): the share of positions that carry a target (``target_fraction(data)``
     for chat data, where only the answer tokens do); None: every position."""
@@ -129,13 +147,25 @@ def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device
         from .vision import image_step_peak
 
         p = image_step_peak(cfg, precision, device, NUM_LABELS)
+        if world_size > 1:
+            p.notes.append(f"image-classification: estimated for one process (whole copy), not per rank of "
+                           f"{world_size}")
+            world_size = 1
     else:
-        p = step_peak(cfg, precision, device, NUM_LABELS, target_fraction)
+        p = step_peak(cfg, precision, device, NUM_LABELS, target_fraction, world_size)
     overhead = (CUDA_CONTEXT_BYTES if device == "cuda" else 0) + SLACK.get(device, 0.05) * p.peak
     total = p.peak + overhead
+    dtypes = part_dtypes(cfg, precision, p.param_bytes, device)
+    if p.gathered_dtype:
+        dtypes["gathered"] = (f"{p.gathered_dtype} (the root, the running layer and the next; a layer's "
+                              "gradients before their fp32 reduce-scatter)")
+    if getattr(p, "buckets", 0):
+        dtypes["ddp buckets"] = DTYPE_NAMES[p.param_bytes]
     return MemoryEstimate(
+        world_size=int(world_size), sharding=cfg.sharding, gathered_gib=getattr(p, "gathered", 0) / GIB,
+        buckets_gib=getattr(p, "buckets", 0) / GIB,
         master_weights_gib=p.master_weights / GIB, master_weights_bytes=p.master_weights, optimizer=cfg.optimizer,
-        weights_dtype=DTYPE_NAMES[p.param_bytes], dtypes=part_dtypes(cfg, precision, p.param_bytes, device),
+        weights_dtype=DTYPE_NAMES[p.param_bytes], dtypes=dtypes,
         run_tensors_gib=p.run_tensors / GIB,
         weights_gib=p.weights / GIB, gradients_gib=p.gradients / GIB, optimizer_gib=p.optimizer / GIB,
         activations_gib=p.activations / GIB, logits_gib=p.logits / GIB, overhead_gib=overhead / GIB,

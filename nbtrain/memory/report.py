@@ -33,7 +33,10 @@ PART_ROWS = (("weights", "weights_gib"), ("gradients", "gradients_gib"), ("optim
              ("activations", "activations_gib"), ("logits + loss", "logits_gib"), ("overhead", "overhead_gib"),
              ("total (peak)", "total_gib"))
 # the part labels whose dtype the report shows beside them (MemoryEstimate.dtypes, keyed by label)
-DTYPE_PARTS = ("weights", "gradients", "optimizer", "activations", "logits + loss")
+DTYPE_PARTS = ("weights", "gradients", "optimizer", "activations", "logits + loss", "gathered", "ddp buckets")
+# parts of several processes, shown (before the overhead) only when there is some: FSDP's gathered groups, DDP's
+# gradient buckets
+RANK_ROWS = (("gathered", "gathered_gib"), ("ddp buckets", "buckets_gib"))
 
 RED, AMBER, GREEN, GREY = "#c62828", "#ef6c00", "#2e7d32", "#666"
 
@@ -57,6 +60,7 @@ class EstimateReport:
     optimizer: str = "adamw"
     weights_dtype: str = "fp32"
     master_weights_gib: float = 0.0         # of the weights: the fp32 master copy (autocast precisions)
+    scale_line: str = ""                    # from how many processes it fits under fsdp ("" when not asked)
 
     @property
     def share(self) -> Optional[float]:
@@ -73,18 +77,49 @@ def estimate_report(est: MemoryEstimate) -> EstimateReport:
     optimizer = getattr(est, "optimizer", "adamw")
     weights_dtype = getattr(est, "weights_dtype", "fp32")
     dtypes = getattr(est, "dtypes", None) or {}
+    world = int(getattr(est, "world_size", 1) or 1)
+    sharding = getattr(est, "sharding", "none")
+    per_rank = ""
+    if world > 1:
+        per_rank = (f", per process of {world} (fsdp: split {world} ways)" if sharding == "fsdp"
+                    else f", per process of {world} (DDP: a whole copy each)")
     title = (f"{cfg.model} {cfg.task}, {cfg.method}, {est.precision} ({weights_dtype} weights), {optimizer}, "
              f"micro batch {cfg.micro_batch_size} x accum "
              f"{cfg.grad_accum_steps}, seq {cfg.max_seq_len}"
-             f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}")
+             f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}{per_rank}")
+    rows = [(name, attr) for name, attr in PART_ROWS[:-2]]
+    rows += [(name, attr) for name, attr in RANK_ROWS if getattr(est, attr, 0.0)]
+    rows.append(PART_ROWS[-2])
     return EstimateReport(
         title=title, total_params=est.total_params, trainable_params=est.trainable_params,
-        parts=tuple((name, getattr(est, attr)) for name, attr in PART_ROWS[:-1]), total_gib=est.total_gib,
+        parts=tuple((name, getattr(est, attr)) for name, attr in rows), total_gib=est.total_gib,
         peak_phase=est.peak_phase, device=est.device, device_total_gib=est.device_total_gib, fits=est.fits,
         notes=tuple(est.notes), advice=tuple(est.advice),
-        dtypes=tuple(dtypes.get(name, "") if name in DTYPE_PARTS else "" for name, _ in PART_ROWS[:-1]),
+        dtypes=tuple(dtypes.get(name, "") if name in DTYPE_PARTS else "" for name, _ in rows),
         optimizer=optimizer, weights_dtype=weights_dtype,
-        master_weights_gib=float(getattr(est, "master_weights_gib", 0.0) or 0.0))
+        master_weights_gib=float(getattr(est, "master_weights_gib", 0.0) or 0.0), scale_line=scale_line(est))
+
+
+METHOD_NAMES = {"full": "full fine-tune", "lora": "LoRA", "qlora": "QLoRA"}
+
+
+def scale_line(est: MemoryEstimate) -> str:
+    """One line on how many processes this config needs under fsdp ("Qwen2.5-7B full fine-tune bf16: fits from
+    4 x 80 GiB"); "" for an estimate that did not work it out."""
+    if not hasattr(est, "min_world_size") or str(est.device).startswith("cpu"):
+        return ""   # on the CPU the processes share one machine's memory: no count of them makes it fit
+    cfg = est.config
+    name = str(cfg.model).rstrip("/").rsplit("/", 1)[-1] or str(cfg.model)
+    what = f"{name} {METHOD_NAMES.get(cfg.method, cfg.method)} {est.precision}"
+    size = f"{est.device_total_gib:.0f} GiB" if est.device_total_gib >= 10 else fmt_gib(est.device_total_gib)
+    n = est.min_world_size
+    if n is not None:
+        how = "" if n == 1 else " (sharding='fsdp')"
+        return f"{what}: fits from {n} x {size}{how}"
+    why = getattr(est, "fsdp_refused", "")
+    if why:
+        return f"{what}: fsdp cannot shard it ({why})"
+    return f"{what}: does not fit on up to 512 x {size}, even with sharding='fsdp'"
 
 
 def fmt_gib(x: Optional[float]) -> str:
@@ -120,6 +155,8 @@ def estimate_text(est: MemoryEstimate) -> str:
     lines.append(f"  total: the step's peak, at {r.peak_phase}; not the sum of the parts, since")
     lines.append("  gradients are created in backward as the activations are freed")
     lines.append(f"  {r.device}: {r.device_total_gib:.2f} GiB -> {'fits' if r.fits else 'DOES NOT FIT'}")
+    if r.scale_line:
+        lines.append(f"  {r.scale_line}")
     for n in r.notes:
         lines.append(f"  note: {n}")
     if r.advice:
@@ -129,7 +166,9 @@ def estimate_text(est: MemoryEstimate) -> str:
             lines.append(f"  {k}. {a.description}: {a.total_gib:.2f} GiB{'  fits' if a.fits else ''}")
         last = r.advice[-1]
         sets = " ".join(f"--set {k}={v}" for k, v in last.change.items())
-        lines.append(f"  {'use' if last.fits else 'closest'}: {sets}")
+        world = int(getattr(last, "world_size", 1) or 1)
+        lines.append(f"  {'use' if last.fits else 'closest'}: {sets}"
+                     + (f" on {world} processes (torchrun --nproc_per_node {world})" if world > 1 else ""))
     return "\n".join(lines)
 
 
@@ -175,6 +214,8 @@ def estimate_html(est: MemoryEstimate, device: str = "", *, details: bool = Fals
                      + _small(f"the total is the step's peak, during {_esc(r.peak_phase)}"
                               + (f"; the weights hold the fp32 master copy ({fmt_gib(r.master_weights_gib)})"
                                  if r.master_weights_gib else "")))
+        if r.scale_line:
+            lines.append(_esc(r.scale_line))
         lines += [_small(f"note: {_esc(n)}") for n in r.notes]
         if r.advice:
             items = "".join(f"<li>{_esc(a.description)}: {fmt_gib(a.total_gib)}{' (fits)' if a.fits else ''}</li>"

@@ -22,6 +22,7 @@ from typing import Optional
 from ..config import TrainConfig
 from .facts import NUM_LABELS, Architecture, architecture, layer_index, parameter_bytes
 from ..precision import PRECISION_TABLE
+from .sharding import ShardedParts, fsdp_parts
 from .trace import FP8_ALIGN, LayerTrace, LinearSpec, TracedTensor, layer_projections, trace_decoder_layer
 
 
@@ -42,6 +43,9 @@ class StepPeak:
     master_weights: int = 0   # of ``weights``: the fp32 master copy of the trainable weights (autocast precisions)
     run_tensors: int = 0      # what a CPU run's tracer counts (StepRecord.host_tensors_gib): see ``step_peak``
     param_bytes: int = 4      # the floating-point weights' (and gradients') element size
+    gathered: int = 0         # FSDP: the gathered parameters (and unsharded gradients) at the peak's phase
+    buckets: int = 0          # DDP: its gradient buckets (a second copy of the gradients, kept for the run)
+    gathered_dtype: str = ""  # FSDP: the dtype the parameters are gathered in
 
 
 @dataclass
@@ -96,7 +100,7 @@ def _trace_layers(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int],
 
 def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquantized: frozenset[str],
           autocast_bytes, lean: bool, device: str, target_fraction: Optional[float] = None,
-          param_bytes: int = 4) -> _Head:
+          param_bytes: int = 4, weight_copies: bool = True) -> _Head:
     """Memory of the final norm, the output layer and the loss, for each path the loss can take.
 
     ``target_fraction`` (causal LM): the share of the B x (T - 1) positions that carry a target (chat data
@@ -126,6 +130,8 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
     if not chunked:
         logits_size = tr.linear(normed, LinearSpec(h, V, head_weight,
                                                    "trainable" if head_trainable else "frozen")).size
+    if not weight_copies:   # FSDP gathers the weights in the compute dtype: autocast copies none of them
+        tr.const = 0
     saved = tr.per_token * N + tr.const
     if selected:   # the head's saved input is the selected rows; the positions and their targets (int64)
         saved = norm_saved + (tr.per_token * N - norm_saved) // N * n_targets + tr.const + 16 * n_targets
@@ -230,8 +236,10 @@ def _gradients_by_position(arch: Architecture, full: bool, adapted: dict[str, in
 
 
 def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = NUM_LABELS,
-              target_fraction: Optional[float] = None) -> StepPeak:
-    """The parts of one training step of ``cfg`` under ``precision`` on ``device``, and its peak.
+              target_fraction: Optional[float] = None, world_size: int = 1) -> StepPeak:
+    """The parts of one training step of ``cfg`` under ``precision`` on ``device``, and its peak, for one of
+    ``world_size`` processes (sharding="fsdp": rank 0's shards and gathered groups, ``sharding``; "none": DDP,
+    a whole copy per rank and its gradient buckets). micro_batch_size is per process, so activations are too.
 
     ``target_fraction``: see ``_head`` (the share of positions with a target; None: all of them)."""
     arch = architecture(cfg.model, cfg.task, num_labels)
@@ -254,6 +262,14 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
                      "and per weight) are not counted; the output layer runs under bf16 autocast")
     full = cfg.method == "full"
     ckpt = cfg.gradient_checkpointing
+    fs = None
+    act_pb = pb   # the element size of the weights the forward reads
+    if cfg.sharding == "fsdp" and world_size > 1:
+        # FSDP's MixedPrecisionPolicy gathers the weights in autocast's dtype: the forward reads 16-bit weights
+        # (the residual stream and the adapters' inputs are 16-bit too, as under bf16-pure) and autocast casts
+        # nothing, so no weight copies are saved or cached
+        act_pb = autocast_bytes or pb
+        fs = fsdp_parts(cfg, arch, params, act_pb, world_size, num_labels)
 
     # -- activations ------------------------------------------------------------------------------------------
     if not arch.llama_like:
@@ -271,75 +287,123 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     if math_seq:
         notes.append("fp32 attention with grouped kv heads runs SDPA's math kernel on CUDA (T x T scores per "
                      "layer); bf16 avoids it")
-    layers = _trace_layers(cfg, arch, params.adapted, autocast_bytes, device, lean, math_seq, pb, fp8_input_bytes)
-    rope_bytes = 2 * arch.head_dim * pb * T      # cos and sin in the residual's dtype, shared by all layers
+    layers = _trace_layers(cfg, arch, params.adapted, autocast_bytes, device, lean, math_seq, act_pb,
+                           fp8_input_bytes)
+    rope_bytes = 2 * arch.head_dim * act_pb * T  # cos and sin in the residual's dtype, shared by all layers
     inputs = 3 * 8 * N                           # input_ids, attention_mask, labels (int64)
     head = _head(cfg, arch, params.adapted, params.unquantized, autocast_bytes, lean, device, target_fraction,
-                 pb)
+                 act_pb, weight_copies=fs is None)
+    if fs is not None:
+        layers.const = [0] * L
+        layers.cache = [0] * L
     if ckpt:
-        kept = [pb * h * N] * L        # each checkpointed layer keeps only its input (the residual's dtype)
+        kept = [act_pb * h * N] * L    # each checkpointed layer keeps only its input (the residual's dtype)
     else:
         kept = [layers.per_token[k] * N + layers.const[k] for k in range(L)]
     acts = sum(kept) + rope_bytes + inputs + head.saved
 
     # -- the timeline -----------------------------------------------------------------------------------------
-    grads = params.gradients
+    weights, optimizer, grads = params.weights, params.optimizer, params.gradients
+    # FSDP's gathered groups by phase (0 without FSDP): the root (embeddings, final norm, head) from the start
+    # of the forward to the end of the backward; a layer for its forward and again (with the next one, prefetched)
+    # for its backward, or, without reshard_after_forward, from its forward until its backward
+    g_root = g_fwd = g_last = g_head = 0
+    keep_all = False
+    if fs is not None:
+        weights, optimizer, grads = fs.weights, fs.optimizer, fs.gradients
+        keep_all = not cfg.reshard_after_forward
+        held = sum(fs.layers) if keep_all else 0
+        g_root = fs.root
+        g_fwd = g_head = g_root + held
+        g_last = g_root + (held if keep_all else fs.layers[-1])
     accum = cfg.grad_accum_steps > 1
     earlier_grads = grads if accum else 0   # earlier micro-batches' gradients, present all through the last one
     phases: dict[str, tuple[int, str]] = {}
     # end of the forward, still inside autocast, whose cache holds the trainable weights' bf16 copies
     cache_only = sum(layers.cache) if ckpt else 0
-    phases["forward"] = (earlier_grads + acts + cache_only + head.logits + head.chunk_forward,
+    phases["forward"] = (earlier_grads + acts + cache_only + head.logits + head.chunk_forward + g_fwd,
                          "the chunked loss's forward (its gradients made there)" if head.fused
                          else "the end of the forward")
     if not ckpt:
         # inside the last layer's forward: its short-lived tensors (an adapter's fp32 input copy and dropout
         # output, the math kernel's scores) on top of everything the layers have kept
-        phases["last layer"] = (earlier_grads + acts - head.saved + cache_only + layers.fwd_extra * N,
+        phases["last layer"] = (earlier_grads + acts - head.saved + cache_only + layers.fwd_extra * N + g_last,
                                 "the last layer's forward")
     # nbtrain.engine.loop.micro_loss_sum keeps no reference to the logits: after the loss's forward only the
     # autograd graph holds what backward needs (log_softmax's output, not the logits)
-    phases["loss"] = (earlier_grads + acts + head.loss_backward, "the loss backward (log_softmax)")
+    phases["loss"] = (earlier_grads + acts + head.loss_backward + g_head, "the loss backward (log_softmax)")
     # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
-    phases["head"] = (earlier_grads + acts + head.backward, "the output layer's backward")
+    phases["head"] = (earlier_grads + acts + head.backward + g_head, "the output layer's backward")
     # decoder layers, last to first: their activations go, their gradients come
     layer_grads, head_grads, embedding_grads, other_grads = _gradients_by_position(arch, full, params.adapted,
-                                                                                   grads, pb)
+                                                                                   params.gradients, pb)
+    layer_new = list(layer_grads)   # what a layer's backward adds while it runs
+    if fs is not None:
+        # the root's unsharded gradients wait for its reduce-scatter at the end of the backward; a layer's are
+        # reduce-scattered (through an fp32 copy) as its backward ends, leaving its shard
+        head_grads, other_grads = fs.root_trainable * fs.compute_bytes, 0
+        layer_new = [fs.grad_transient(n) for n in fs.layer_trainable]
+        layer_grads = list(fs.layer_grad_shards)
     remaining = acts - head.saved
     grads_so_far = head_grads + other_grads
-    worst = (0, "")
+    worst, worst_gathered = (0, ""), 0
     for k in reversed(range(L)):
         layer_act = layers.per_token[k] * N
         # inside the MLP's backward: the gradients of SiLU(gate) and up (or the attention's, if larger)
         backward_temps = max(2 * layers.mlp_grad, layers.attn_grad) * N
         if ckpt:                       # the layer is recomputed first, with its own short-lived tensors
-            transient = layer_act + layers.const[k] - pb * h * N + max(layers.fwd_extra * N, backward_temps)
+            transient = layer_act + layers.const[k] - act_pb * h * N + max(layers.fwd_extra * N, backward_temps)
         else:
             transient = backward_temps
-        transient += pb * h * N        # the residual stream's gradient
-        here = earlier_grads + remaining + (0 if accum else grads_so_far) + layer_grads[k] + transient
+        transient += act_pb * h * N    # the residual stream's gradient
+        gathered = 0
+        if fs is not None:             # this layer, and the one before it prefetched (all of them not resharded)
+            gathered = g_root + (sum(fs.layers[:k + 1]) if keep_all else sum(fs.layers[max(0, k - 1):k + 1]))
+            if accum:                  # the root's unsharded gradients are not in ``earlier_grads``
+                gathered += head_grads
+        here = earlier_grads + remaining + (0 if accum else grads_so_far) + layer_new[k] + transient + gathered
         if here > worst[0]:
             worst = (here, f"layer {k}'s backward" + (" (recomputed)" if ckpt else ""))
+            worst_gathered = gathered + (layer_new[k] if fs is not None else 0)
         remaining -= kept[k]
         grads_so_far += layer_grads[k]
     phases["layers"] = worst
     # the input embedding's dense gradient; tied to the output layer it is summed with that one's
     embedding_extra = 0
-    if full and embedding_grads:
+    if fs is not None:   # the root's gradients, unsharded and in the fp32 reduce-scatter copy, beside its weights
+        embedding_extra = g_root + fs.grad_transient(fs.root_trainable)
+    elif full and embedding_grads:
         embedding_extra = 2 * embedding_grads if arch.tied else (embedding_grads if accum else 0)
     phases["embedding"] = (grads + embedding_extra, "the embedding's backward")
     phases["optimizer"] = (grads, "the optimizer step")
-    top, where = max(phases.values(), key=lambda v: v[0])
+    # DDP (several processes, no sharding): the Reducer keeps a bucket copy of every gradient for the whole run
+    # (gradient_as_bucket_view=False, torch's default and nbtrain's)
+    buckets = params.gradients if cfg.sharding != "fsdp" and world_size > 1 else 0
+    peak_phase = max(phases, key=lambda k: phases[k][0])
+    top, where = phases[peak_phase]
+    # the gathered groups (and unsharded gradients) in the peak's phase: the report's "gathered" part
+    gathered_at_peak = {"forward": g_fwd, "last layer": g_last, "loss": g_head, "head": g_head,
+                        "layers": worst_gathered, "embedding": embedding_extra if fs is not None else 0,
+                        }.get(peak_phase, 0)
     head_part = max(head.chunk_forward, head.loss_backward) if head.fused else head.logits + head.loss_backward
     # What nbtrain's CPU run tracer (engine.telemetry.RunTensorBytes, StepRecord.host_tensors_gib) counts: the
     # weights and optimizer state (and the earlier micro-batches' gradients) with every tensor saved for backward,
     # or all of them with the gradients at the optimizer step. It sees no short-lived tensor (the loss backward's,
     # a layer's backward temporaries), and of a checkpointed layer only its input (torch's checkpoint saves its
     # positional inputs for backward; RoPE's cos and sin come as keyword arguments, and what the layer saves is
-    # packed by checkpoint's own hooks).
+    # packed by checkpoint's own hooks). Under FSDP it counts the groups gathered when each tensor is saved: the
+    # root, the layer running (all layers run so far without reshard_after_forward); nothing is prefetched in
+    # the forward on the CPU, and the backward (where layers are gathered again) saves nothing. DDP's buckets are
+    # not the run's tensors to it.
     run_saved = acts - (rope_bytes if ckpt else 0) + head.loss_saved
-    run_tensors = params.weights + params.optimizer + max(earlier_grads + run_saved, grads)
-    return StepPeak(weights=params.weights, gradients=grads, optimizer=params.optimizer, activations=acts,
-                    logits=head_part, peak=params.weights + params.optimizer + top, phase=where,
+    forward_peak = earlier_grads + run_saved + g_fwd
+    if fs is not None:   # the last layer's forward: the head's tensors not yet saved, that layer still gathered
+        forward_peak = max(forward_peak, earlier_grads + run_saved - head.saved - head.loss_saved + g_last)
+    run_tensors = weights + optimizer + max(forward_peak, grads)
+    return StepPeak(weights=weights, gradients=grads, optimizer=optimizer, activations=acts,
+                    logits=head_part, peak=weights + optimizer + top + buckets, phase=where,
                     trainable=params.trainable, total=params.total, notes=notes,
-                    master_weights=params.master_weights, run_tensors=run_tensors, param_bytes=pb)
+                    master_weights=fs.master_weights if fs is not None else params.master_weights,
+                    run_tensors=run_tensors, param_bytes=pb, gathered=gathered_at_peak, buckets=buckets,
+                    gathered_dtype=({2: "bf16" if precision in ("bf16", "bf16-pure", "fp8") else "fp16", 4: "fp32"}
+                                    [fs.compute_bytes] if fs is not None else ""))
