@@ -365,19 +365,25 @@ class TrainConfig(BaseModel):
 
     def _check_fsdp(self) -> None:
         """What FSDP2 sharding does not compose with here, refused before anything loads, each with its reason."""
-        refused = {
-            "method": (self.method == "qlora", "QLoRA's 4/8-bit bitsandbytes weights are not sharded by "
+        refused = [
+            ("method", self.method == "qlora", "QLoRA's 4/8-bit bitsandbytes weights are not sharded by "
                        "fully_shard here; use method='lora' (its frozen base is sharded too) or sharding='none'"),
-            "optimizer": (self.optimizer in ("adamw_8bit", "paged_adamw_8bit"), f"{self.optimizer}'s bitsandbytes "
+            ("optimizer", self.optimizer in ("adamw_8bit", "paged_adamw_8bit"), f"{self.optimizer}'s bitsandbytes "
                           "kernels step whole tensors, not FSDP's shards; use optimizer='adamw' or 'sgd' (the "
                           "state is sharded anyway: 1/N of it per rank)"),
-            "chunked_loss": (self.chunked_loss, "the chunked loss calls the decoder and the output layer apart, "
+            ("optimizer", self.optimizer == "adafactor", "Adafactor's factored second moment averages over "
+                           "each matrix's whole rows and columns, which a shard does not hold; use optimizer='adamw' "
+                           "or 'sgd'"),
+            ("stochastic_rounding", self.stochastic_rounding, "its bf16 rounding draws noise per element of whole "
+                                    "tensors, not of FSDP's shards; use precision='bf16-pure' without it, or "
+                                    "precision='bf16' (fp32 sharded masters lose no updates)"),
+            ("chunked_loss", self.chunked_loss, "the chunked loss calls the decoder and the output layer apart, "
                              "outside FSDP's root forward that gathers them; set chunked_loss=False"),
-            "auto_batch_size": (self.auto_batch_size, "its probe runs the model before it is sharded, so it would "
+            ("auto_batch_size", self.auto_batch_size, "its probe runs the model before it is sharded, so it would "
                                 "measure the wrong memory; set micro_batch_size yourself (estimate_memory(cfg, "
                                 "world_size=N) says what fits)"),
-        }
-        for name, (bad, why) in refused.items():
+        ]
+        for name, bad, why in refused:
             if bad:
                 raise ValueError(f"{name}: not with sharding='fsdp': {why}")
 
