@@ -220,3 +220,56 @@ def test_bf16_pure_on_cuda_halves_the_weights_and_state():
     pure = nbt.train(nbt.TrainConfig(**SMALL, precision="bf16-pure"))
     assert pure.summary["weights_dtype"] == "bf16" and pure.history.loss.notna().all()
     assert pure.summary["peak_vram_gib"] < full.summary["peak_vram_gib"]
+
+
+@pytest.fixture
+def one_rank_env(monkeypatch):
+    """What torchrun --nproc_per_node 1 sets: with sharding='fsdp' the run joins a 1-rank group (FSDP over one
+    GPU); monkeypatch puts the environment back."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():   # a failed run must not hand its group to the next test
+        dist.destroy_process_group()
+
+
+def test_fsdp_one_rank_bf16_on_cuda_matches_plain(one_rank_env, monkeypatch):
+    import torch.distributed as dist
+
+    fsdp = nbt.train(nbt.TrainConfig(**SMALL, precision="bf16", sharding="fsdp"))
+    assert not dist.is_initialized()   # finish() destroyed the group the run created
+    assert fsdp.summary["world_size"] == 1 and fsdp.summary["device"] == "cuda"
+    assert any("FSDP" in n for n in fsdp.summary["notes"])
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k)
+    plain = nbt.train(nbt.TrainConfig(**SMALL, precision="bf16"))
+    a, b = fsdp.history, plain.history
+    assert list(a.tokens) == list(b.tokens) and a.loss.notna().all()
+    # FSDP gathers every parameter in bf16 (norm weights too, which autocast keeps in fp32): equal up to bf16
+    # rounding, about 8 bits of mantissa, over 4 steps
+    for x, y in zip(a.loss, b.loss):
+        assert abs(x - y) <= 2e-2 * abs(y), (list(a.loss), list(b.loss))
+    assert fsdp.summary["peak_vram_gib"] > 0
+
+
+def test_fsdp_on_cuda_picks_nccl(one_rank_env):
+    import torch.distributed as dist
+
+    from nbtrain.engine.distributed import FSDPContext, init_distributed
+    from nbtrain.precision import PRECISION_TABLE
+
+    ctx = init_distributed("cuda", "fsdp", PRECISION_TABLE["bf16"])
+    try:
+        assert isinstance(ctx, FSDPContext) and ctx.created_group
+        assert dist.get_backend() == "nccl" and ctx.world == 1 and ctx.param_dtype == torch.bfloat16
+    finally:
+        ctx.close()
+    assert not dist.is_initialized()
