@@ -26,6 +26,11 @@ LLaMA-Factory's ``stage: sft`` (with its ``dataset_info.json`` entry), AutoTrain
 SFTConfig. nbtrain's samples (``sample_prompts``, ``sample_every``, ``max_new_tokens``) have no equivalent in
 any of them: each export names them in its notes.
 
+Sharding (issue 28): sharding="fsdp" is TrainingArguments' (and so TRL's) ``fsdp`` + ``fsdp_config`` (FSDP2,
+reshard_after_forward, each decoder layer wrapped, sharded checkpoints), the same keys in LLaMA-Factory's YAML
+(read back, FSDP1 and offload / hybrid options named in the warning), and accelerate's ``distributed_type: FSDP``
+with its ``fsdp_config``; AutoTrain has no FSDP (ddp, with a note; its deepspeed reads back as an error naming it).
+
 Each export also returns (``*_config``) or writes (as YAML comments) its *notes*: the fields the other tool
 cannot express or runs differently. Imports map every key they know; a key (or a value) with no nbtrain
 equivalent is never dropped silently: ``read_*`` returns it in ``unmapped`` and ``from_*`` names it in a
@@ -46,7 +51,12 @@ import os
 from typing import Any, Optional
 
 from ...config import TrainConfig
-from .accelerate_config import accelerate_config, accelerate_config_notes, to_accelerate_config_yaml
+from .accelerate_config import (
+    ACCELERATE_FSDP_ENV,
+    accelerate_config,
+    accelerate_config_notes,
+    to_accelerate_config_yaml,
+)
 from .autotrain import (
     AUTOTRAIN_FIELDS,
     autotrain_config,
@@ -84,7 +94,7 @@ from .trl_sft import TRL_SFT_FIELDS, sft_config, sft_config_kwargs
 # the names ``export_text`` (and ``nbtrain export --to``) take
 EXPORT_FORMATS = ("training-args", "trl-sft", "llamafactory", "autotrain", "accelerate-config")
 
-__all__ = ["AUTOTRAIN_FIELDS", "CHAT_BUILTINS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY", "OPTIM_IN",
+__all__ = ["ACCELERATE_FSDP_ENV", "AUTOTRAIN_FIELDS", "CHAT_BUILTINS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY", "OPTIM_IN",
            "OPTIM_NAMES", "SAMPLE_FIELDS", "TRL_SFT_FIELDS", "accelerate_config", "accelerate_config_notes",
            "autotrain_config", "chat_format", "export_text",
            "from_autotrain_yaml", "from_llamafactory_yaml", "hf_scheduler", "llamafactory_config",

@@ -5,6 +5,11 @@ Chat data (``mapping.chat_format``) exports as ``task: llm-sft``: AutoTrain rend
 messages (``column_mapping.text_column``) with ``data.chat_template`` (its names: ``chatml``, ``zephyr``,
 ``tokenizer`` = the model's own, nbtrain's ``"auto"``) and trains every token of the result (TRL's SFTTrainer
 on the text): train_on="all". Other layouts and losses are named in the notes.
+
+Several GPUs: AutoTrain's LLM tasks launch ``accelerate launch --multi_gpu`` (``params.distributed_backend: ddp``,
+also its default) or DeepSpeed ZeRO-3 (``deepspeed``); it has no FSDP. sharding="none" exports as ddp;
+sharding="fsdp" exports as ddp too (every GPU holds the whole model), with a note. ``deepspeed`` reads back as an
+error naming it unless ``sharding=`` is passed (ZeRO-3's nearest in nbtrain is sharding="fsdp").
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ AUTOTRAIN_FIELDS = (
     "grad_accum_steps", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
     "gradient_checkpointing", "lr", "weight_decay", "scheduler", "warmup_steps", "epochs", "max_grad_norm",
     "log_every", "seed", "output_dir", "data_format", "columns", "chat_template", "train_on", "optimizer",
+    "sharding",
 )
 # AutoTrain's data.chat_template values (None: plain text) and nbtrain's names for them
 AT_CHAT_TEMPLATES = {"chatml": "chatml", "tokenizer": "auto"}
@@ -172,6 +178,12 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     notes.update(non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no AutoTrain key "
                                                        "(the same training without it)"))
     notes.update(sample_notes(cfg, "AutoTrain"))
+    if cfg.sharding == "fsdp":
+        notes["sharding"] = ("sharding='fsdp': AutoTrain has no FSDP (its distributed_backend is ddp or deepspeed, "
+                             "ZeRO-3)" + (": exported as ddp, every GPU holds the whole model, weights, gradients "
+                                          "and optimizer state; reads back as sharding='none'" if llm else
+                                          ": its classification tasks launch DDP on several GPUs"))
+    notes.update(non_default_notes(cfg, ("reshard_after_forward",), "has no AutoTrain key (no FSDP there)"))
     fmt = chat_format(cfg) if llm else None
     if fmt:
         notes.update(_sft_notes(cfg, fmt))
@@ -218,7 +230,9 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
             quantization={4: "int4", 8: "int8"}[cfg.quant_bits] if cfg.method == "qlora" else "none",
             target_modules=targets_out(cfg.lora_targets, "all-linear"), merge_adapter=False,
             lora_r=cfg.lora_r, lora_alpha=int(round(cfg.lora_alpha)), lora_dropout=cfg.lora_dropout,
-            disable_gradient_checkpointing=not cfg.gradient_checkpointing)
+            disable_gradient_checkpointing=not cfg.gradient_checkpointing,
+            # AutoTrain's default; written so the file says how several GPUs run (FSDP: see the notes)
+            distributed_backend="ddp")
     at_task = ("llm-sft" if fmt else "llm") if llm else "image_classification" if image else \
         "text_multi_class_classification"
     doc = {"task": at_task, "base_model": cfg.model,
@@ -404,9 +418,28 @@ def _read_autotrain(path, overrides):
         kw["gradient_checkpointing"] = not bool(r.take("params.disable_gradient_checkpointing"))
         if r.has("params.merge_adapter") and not r.doc["params.merge_adapter"]:
             r.drop("params.merge_adapter")
+        _backend_in(r, overrides)
     else:
         kw["method"] = "full"
     return r.finish(overrides)
+
+
+def _backend_in(r: Reader, overrides: dict) -> None:
+    """params.distributed_backend: ddp (or unset, AutoTrain's ddp) is sharding="none"; deepspeed (ZeRO-3) has no
+    nbtrain equivalent: an error naming it, unless ``sharding`` is passed."""
+    key = "params.distributed_backend"
+    value = r.doc.pop(key, None)
+    if _none(value) or str(value).lower() == "ddp":
+        r.kw["sharding"] = "none"
+        return
+    if str(value).lower() == "deepspeed":
+        why = ("AutoTrain's DeepSpeed ZeRO-3 (parameters, gradients and optimizer state sharded, no offload); nbtrain "
+               "has no DeepSpeed: its nearest is sharding='fsdp' (FSDP2 full sharding), or 'none' for DDP")
+    else:
+        why = "AutoTrain takes ddp or deepspeed (it refuses other backends)"
+    r.unmapped[key], r.why[key] = value, why + ("; sharding=%r was passed" % overrides["sharding"]
+                                                if "sharding" in overrides else "")
+    r.hard["sharding"] = f"{key}: {value!r}: {why}"
 
 
 def _at_template_in(r: Reader, name: str) -> None:

@@ -3,6 +3,7 @@ the reader that maps a tool's keys to TrainConfig fields (and keeps the ones it 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Optional
 
@@ -313,12 +314,18 @@ def fsdp_layer_class(cfg: TrainConfig) -> Optional[str]:
     """The class name of the blocks nbtrain wraps under sharding="fsdp" (the model's largest ModuleList of identical
     blocks, nbtrain.engine.distributed.layer_stack's rule), read from the architecture without weights; None when
     the architecture cannot be read here (a Hub model that is not cached) or has no such stack."""
+    return _layer_class(cfg.model, cfg.task)
+
+
+@functools.lru_cache(maxsize=32)
+def _layer_class(model_name: str, task: str) -> Optional[str]:
+    # cached: one export asks several times, and a Hub model that is not cached costs a timeout each time
     import torch
 
     from ...models.loading import ModelError, meta_model
 
     try:
-        model = meta_model(cfg.model, cfg.task)
+        model = meta_model(model_name, task)
     except ModelError:
         return None
     best, best_n = None, 0
@@ -417,13 +424,6 @@ def sharding_in(r: Reader, fsdp_key: str = "fsdp", config_key: str = "fsdp_confi
                                             "the GPU (more GPU memory than this config's run)")
         elif opt != "auto_wrap":
             r.unmapped[f"{fsdp_key}.{opt}"], r.why[f"{fsdp_key}.{opt}"] = True, "not an FSDP option nbtrain knows"
-    version = conf.pop("version", None)
-    if version is None or str(version) != "2":
-        key = f"{config_key}.version"
-        r.unmapped[key] = version
-        r.why[key] = ("FSDP1 (version 1)" if version is not None else
-                      "no version: transformers 4 runs FSDP1, transformers 5 FSDP2") + \
-            "; nbtrain runs FSDP2 (fully_shard), the same sharding of parameters, gradients and optimizer state"
     if "reshard_after_forward" in conf:   # the config's own value wins over the option string, as in transformers
         v = conf.pop("reshard_after_forward")
         text = str(v).strip().lower()
@@ -437,8 +437,16 @@ def sharding_in(r: Reader, fsdp_key: str = "fsdp", config_key: str = "fsdp_confi
             r.unmapped[f"{config_key}.reshard_after_forward"] = v
             r.why[f"{config_key}.reshard_after_forward"] = ("hybrid sharding: nbtrain shards over every process"
                                                             if text in _FSDP_HYBRID else "not a bool or a strategy")
-    if r.kw["sharding"] == "fsdp":
-        r.kw["reshard_after_forward"] = reshard
+    version = conf.pop("version", None)
+    if r.kw["sharding"] == "none":   # NO_SHARD: data parallel, nbtrain's DDP; its FSDP settings do nothing there
+        return
+    r.kw["reshard_after_forward"] = reshard
+    if version is None or str(version) != "2":
+        key = f"{config_key}.version"
+        r.unmapped[key] = version
+        r.why[key] = ("FSDP1 (version 1)" if version is not None else
+                      "no version: transformers 4 runs FSDP1, transformers 5 FSDP2") + \
+            "; nbtrain runs FSDP2 (fully_shard), the same sharding of parameters, gradients and optimizer state"
     policy = str(conf.pop("auto_wrap_policy", FSDP_WRAP)).upper()
     if policy != FSDP_WRAP:
         r.unmapped[f"{config_key}.auto_wrap_policy"] = policy
