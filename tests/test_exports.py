@@ -390,7 +390,8 @@ def test_accelerate_config_loads_in_accelerate(tmp_path):
     ex.to_accelerate_config_yaml(cfg, tmp_path / "four.yaml", num_processes=4)
     four = load_config_from_file(str(tmp_path / "four.yaml"))
     assert four.num_processes == 4
-    assert four.distributed_type.value == ("MULTI_GPU" if torch.cuda.is_available() else "MULTI_CPU")
+    # several processes without CUDA: MULTI_GPU + use_cpu (accelerate starts one process for MULTI_CPU)
+    assert four.distributed_type.value == "MULTI_GPU" and four.use_cpu == (not torch.cuda.is_available())
 
 
 def test_cli_export(tmp_path, capsys):

@@ -35,9 +35,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(cfg_path: str, num_processes: int, launcher: str = "torchrun") -> list[str]:
-    """The command line that runs ``nbtrain train`` on ``num_processes`` processes of this machine."""
+def launch_command(cfg_path: str, num_processes: int, launcher: str = "torchrun",
+                   accelerate_config: Optional[str] = None) -> list[str]:
+    """The command line that runs ``nbtrain train`` on ``num_processes`` processes of this machine.
+
+    ``accelerate_config``: an ``accelerate launch --config_file`` (``nbtrain export --to accelerate-config``),
+    e.g. the FSDP one a sharded config exports; the command line still sets the processes, address and port."""
     port = str(_free_port())
+    if launcher == "accelerate" and accelerate_config:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config,
+                "--num_processes", str(num_processes), "--main_process_ip", "127.0.0.1",
+                "--main_process_port", port, "-m", "nbtrain", "train", cfg_path, "--jsonl"]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
                 "--master_addr", "127.0.0.1", "--master_port", port,
@@ -77,7 +85,14 @@ class LaunchedRun:
         self.log: list[str] = []   # the workers' other output, for error messages
         full_env = {**os.environ, "NBTRAIN_STOP_FILE": str(self._stop_file), "PYTHONUNBUFFERED": "1",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-        self.command = launch_command(str(cfg_path), num_processes, launcher)
+        acc = None
+        if launcher == "accelerate" and cfg.sharding == "fsdp":
+            # accelerate's own FSDP config (distributed_type FSDP, fsdp_version 2), as `nbtrain export` writes it
+            from ..integrations.exports import to_accelerate_config_yaml
+
+            acc = str(self._tmp / "accelerate_fsdp.yaml")
+            to_accelerate_config_yaml(cfg, acc, num_processes=num_processes)
+        self.command = launch_command(str(cfg_path), num_processes, launcher, accelerate_config=acc)
         # A new session, so stop() can signal the launcher and every worker as one process group.
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=full_env, start_new_session=True, bufsize=1)
@@ -137,8 +152,8 @@ class LaunchedRun:
         return not self._reader.is_alive()
 
     def wait(self, timeout: Optional[float] = None) -> Optional[TrainResult]:
-        """Block until the run ends; returns the TrainResult (``model`` is None: it lived in the workers,
-        and ``output_dir`` holds its files)."""
+        """Block until the run ends; returns the TrainResult (``model`` is None: it lived in the workers; rank 0
+        saved it to ``output_dir/model`` beside the run's other files)."""
         self._reader.join(timeout)
         if self._reader.is_alive():
             return None
@@ -149,6 +164,7 @@ class LaunchedRun:
 
 def launch(cfg: TrainConfig, num_processes: int = 2, callbacks=None, launcher: str = "torchrun",
            **kwargs) -> LaunchedRun:
-    """Run ``cfg`` on ``num_processes`` processes (DDP) under torchrun or accelerate launch, streaming records
-    back to ``callbacks`` (e.g. ``nbt.LiveDashboard()``) in this process."""
+    """Run ``cfg`` on ``num_processes`` processes (DDP, or FSDP2 with ``sharding="fsdp"``) under torchrun or
+    accelerate launch, streaming rank 0's records back to ``callbacks`` (e.g. ``nbt.LiveDashboard()``) in this
+    process; rank 0 saves the final model to ``output_dir/model``."""
     return LaunchedRun(cfg, num_processes, callbacks, launcher=launcher, **kwargs)

@@ -123,8 +123,8 @@ def processes_info_html(caps, processes: int, sharding: str, reshard: bool, prob
            + (", layers gathered again in backward" if reshard else ", layers kept gathered from forward to backward")
            if sharding == "fsdp" else "DDP: every process holds the whole model; gradients are all-reduced")
     text = (f"Train launches <b>{processes} processes</b> with torchrun ({where}) · {how} · each micro-batch is "
-            "split over them · the live view follows rank 0 · the trained model stays in the workers "
-            "(result.model is None) · Compare runs in this kernel: set processes to 1 for it")
+            "split over them · the live view follows rank 0 · the trained model is saved by rank 0 to "
+            "output_dir/model (result.model is None here) · Compare runs in this kernel: set processes to 1 for it")
     return small(text) + (f"<br>{small(esc(problem), RED)}" if problem else "")
 
 

@@ -390,13 +390,13 @@ class Runner:
             job.done.set()
 
     def _launched_note(self, job: Job) -> str:
-        """Where a launched Train's model and files are: the model lived in the workers."""
+        """Where a launched Train's model and files are: rank 0 saved the model under output_dir/model."""
         if job.processes <= 1:
             return ""
         out = getattr(job.run, "output_dir", None)
-        return render.small(f"launched on {render.esc(job.where)}: the trained model stayed in the workers "
-                            "(result.model is None)" + (f"; config, history and summary in {render.esc(out)}"
-                                                        if out else ""))
+        return render.small(f"launched on {render.esc(job.where)}: the trained model lived in the workers "
+                            "(result.model is None)" + (f"; rank 0 saved it to {render.esc(out)}/model, beside the "
+                                                        "config, history and summary" if out else ""))
 
     def _settle_dashboard(self) -> None:
         """The finished figure alone: the live status line above it goes, its step count and ETA being stale
