@@ -236,7 +236,7 @@ def adopt_launcher_sharding(cfg: TrainConfig, notes: list[str]) -> TrainConfig:
     reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", str(cfg.reshard_after_forward)).lower()
     new = cfg.replace(sharding="fsdp", reshard_after_forward=reshard not in ("false", "0", "no_shard"))
     notes.append("sharding='fsdp': from accelerate launch's FSDP config (ACCELERATE_USE_FSDP); nbtrain runs "
-                 f"FSDP2 (fully_shard) whatever fsdp_version says")
+                 "FSDP2 (fully_shard) whatever fsdp_version says")
     return new
 
 
