@@ -41,6 +41,11 @@ class RunTensorBytes:
     checkpointed layer recomputes in backward (torch's checkpoint packs it with its own hooks).
     Disabled (``micro()`` a no-op, ``step_peak()`` None) off the CPU, where the allocator answers.
 
+    Under FSDP2 (fully_shard) the weights, gradients and optimizer state are this rank's shards (``_storage``
+    reads a DTensor's local tensor), and the groups FSDP has gathered are counted at their size when each tensor
+    is saved: FSDP frees a layer's gathered storage after its forward (``resize_(0)``) while autograd still refers
+    to it, so a saved gathered weight is counted with its group while gathered, not as saved at its packed size.
+
     Sampled: packing every saved tensor in Python costs the loop several percent, so only the steps that
     ``measures(step)`` picks are measured (the first MEASURE_FIRST, every MEASURE_EVERY-th, and the last); the
     others record None. A step's tensors are the same shapes every step (up to the batch's padded length), so
@@ -58,6 +63,7 @@ class RunTensorBytes:
         self._on = self.enabled   # whether the current step is measured (every step until begin_step says)
         # listed once: walking the module tree costs more than reading every storage it yields
         self._params, self._buffers = list(model.parameters()), list(model.buffers())
+        self._fsdp = _fsdp_params(model) if self.enabled else []
         self._optimizer = optimizer
         self._live: dict[int, list[int]] = {}   # storage address -> [saved references, bytes]
         self._skip: frozenset[int] = frozenset()
@@ -70,6 +76,18 @@ class RunTensorBytes:
         for state in self._optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
+    def _gathered(self) -> dict[int, int]:
+        """FSDP: storage address -> bytes of each parameter's gathered (all-gather output) storage allocated now;
+        empty without FSDP."""
+        out = {}
+        for fp in self._fsdp:
+            for t in getattr(fp, "all_gather_outputs", ()):
+                st = t.untyped_storage()
+                n = st.nbytes()
+                if n:
+                    out[st.data_ptr()] = n
+        return out
+
     def _persistent(self) -> tuple[int, frozenset[int]]:
         """Bytes and addresses of the distinct storages the run holds between steps (a tied weight counts once)."""
         sizes = dict(filter(None, map(_storage, self._tensors())))
@@ -79,12 +97,19 @@ class RunTensorBytes:
         where = _storage(t)
         if where is None or where[0] in self._skip:   # a weight (fp32 linear layers save theirs): counted already
             return t
+        gathered = 0
+        if self._fsdp:
+            now = self._gathered()
+            gathered = sum(now.values())
+            self._saved_peak = max(self._saved_peak, self._now + gathered)
+            if where[0] in now:   # a gathered weight: counted with its group while FSDP keeps it gathered
+                return t
         key, nbytes = where
         entry = self._live.get(key)
         if entry is None:
             self._live[key] = [1, nbytes]
             self._now += nbytes
-            self._saved_peak = max(self._saved_peak, self._now)
+            self._saved_peak = max(self._saved_peak, self._now + gathered)
         else:
             entry[0] += 1
         # detached: the packed object must not hold the tensor's grad_fn, which holds the packed object (a
@@ -135,6 +160,23 @@ class RunTensorBytes:
         peak = max(self._step_peak, self._persistent()[0])
         self._step_peak = 0
         return peak / _GIB
+
+
+def _fsdp_params(model: torch.nn.Module) -> list:
+    """The FSDPParam objects of every fully_shard group in ``model`` (empty when it is not sharded): what holds
+    each group's gathered storage. Private to torch's FSDP2; a torch that lays it out otherwise gives none."""
+    out = []
+    for mod in model.modules():
+        get = getattr(mod, "_get_fsdp_state", None)
+        if get is None:
+            continue
+        try:
+            group = get()._fsdp_param_group
+        except Exception:
+            continue
+        if group is not None:
+            out.extend(group.fsdp_params)
+    return out
 
 
 def _storage(t: torch.Tensor) -> Optional[tuple[int, int]]:

@@ -304,10 +304,12 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
 
     # -- the timeline -----------------------------------------------------------------------------------------
     weights, optimizer, grads = params.weights, params.optimizer, params.gradients
-    # FSDP's gathered groups by phase (0 without FSDP): the root (embeddings, final norm, head) from the start
-    # of the forward to the end of the backward; a layer for its forward and again (with the next one, prefetched)
-    # for its backward, or, without reshard_after_forward, from its forward until its backward
-    g_root = g_fwd = g_last = g_head = 0
+    # FSDP's gathered groups by phase (0 without FSDP): each group (a layer, the root: embeddings, final norm,
+    # head) for its forward and again for its backward (a layer with the one before it, prefetched). nbtrain
+    # passes reshard_after_forward to the root too (engine.distributed.FSDPContext.wrap), so with it the root is
+    # freed when the model's forward returns, through the loss, and gathered again for the head's backward;
+    # without it every group stays gathered from its forward until its backward.
+    g_root = g_fwd = g_last = g_head = g_loss = 0
     keep_all = False
     if fs is not None:
         weights, optimizer, grads = fs.weights, fs.optimizer, fs.gradients
@@ -315,6 +317,7 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
         held = sum(fs.layers) if keep_all else 0
         g_root = fs.root
         g_fwd = g_head = g_root + held
+        g_loss = held + (g_root if keep_all else 0)
         g_last = g_root + (held if keep_all else fs.layers[-1])
     accum = cfg.grad_accum_steps > 1
     earlier_grads = grads if accum else 0   # earlier micro-batches' gradients, present all through the last one
@@ -331,7 +334,7 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
                                 "the last layer's forward")
     # nbtrain.engine.loop.micro_loss_sum keeps no reference to the logits: after the loss's forward only the
     # autograd graph holds what backward needs (log_softmax's output, not the logits)
-    phases["loss"] = (earlier_grads + acts + head.loss_backward + g_head, "the loss backward (log_softmax)")
+    phases["loss"] = (earlier_grads + acts + head.loss_backward + g_loss, "the loss backward (log_softmax)")
     # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
     phases["head"] = (earlier_grads + acts + head.backward + g_head, "the output layer's backward")
     # decoder layers, last to first: their activations go, their gradients come
@@ -382,7 +385,7 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     peak_phase = max(phases, key=lambda k: phases[k][0])
     top, where = phases[peak_phase]
     # the gathered groups (and unsharded gradients) in the peak's phase: the report's "gathered" part
-    gathered_at_peak = {"forward": g_fwd, "last layer": g_last, "loss": g_head, "head": g_head,
+    gathered_at_peak = {"forward": g_fwd, "last layer": g_last, "loss": g_loss, "head": g_head,
                         "layers": worst_gathered, "embedding": embedding_extra if fs is not None else 0,
                         }.get(peak_phase, 0)
     head_part = max(head.chunk_forward, head.loss_backward) if head.fused else head.logits + head.loss_backward
@@ -391,14 +394,15 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     # or all of them with the gradients at the optimizer step. It sees no short-lived tensor (the loss backward's,
     # a layer's backward temporaries), and of a checkpointed layer only its input (torch's checkpoint saves its
     # positional inputs for backward; RoPE's cos and sin come as keyword arguments, and what the layer saves is
-    # packed by checkpoint's own hooks). Under FSDP it counts the groups gathered when each tensor is saved: the
-    # root, the layer running (all layers run so far without reshard_after_forward); nothing is prefetched in
-    # the forward on the CPU, and the backward (where layers are gathered again) saves nothing. DDP's buckets are
-    # not the run's tensors to it.
+    # packed by checkpoint's own hooks). Under FSDP it counts the groups gathered when each tensor is saved (the
+    # largest of: the last layer's forward, the head's, the loss's); nothing is prefetched in the forward on the
+    # CPU, and the backward (where groups are gathered again) saves nothing. DDP's buckets are not the run's
+    # tensors to it.
     run_saved = acts - (rope_bytes if ckpt else 0) + head.loss_saved
-    forward_peak = earlier_grads + run_saved + g_fwd
-    if fs is not None:   # the last layer's forward: the head's tensors not yet saved, that layer still gathered
-        forward_peak = max(forward_peak, earlier_grads + run_saved - head.saved - head.loss_saved + g_last)
+    forward_peak = earlier_grads + run_saved + g_loss
+    if fs is not None:   # the last layer's forward (the head's tensors not yet saved), the head's (the root's)
+        forward_peak = max(forward_peak, earlier_grads + run_saved - head.saved - head.loss_saved + g_last,
+                           earlier_grads + run_saved - head.loss_saved + g_fwd)
     run_tensors = weights + optimizer + max(forward_peak, grads)
     return StepPeak(weights=weights, gradients=grads, optimizer=optimizer, activations=acts,
                     logits=head_part, peak=weights + optimizer + top + buckets, phase=where,
