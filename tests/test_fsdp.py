@@ -163,7 +163,6 @@ def test_corrupt_shard_is_refused(worker, tmp_path):
 def test_consolidated_save_reloads_with_from_pretrained(worker, single):
     """The final model of a sharded run, saved by rank 0 in Hugging Face format: full weights, and for LoRA the
     adapter (with the preset's base beside it)."""
-    from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
     full_dir = worker["_dir"] / "ck" / "model"
@@ -173,28 +172,15 @@ def test_consolidated_save_reloads_with_from_pretrained(worker, single):
     assert "final model:" in " ".join(worker["fsdp_ckpt"]["notes"])
 
 
-def test_consolidated_lora_adapter_reloads(tmp_path, single):
-    """LoRA under FSDP through the CLI: output_dir/model holds the adapter, which peft loads onto its base and which
-    computes what the 1-process run's model computes."""
+def test_two_nodes_on_loopback_save_a_reloadable_adapter(tmp_path, single):
+    """torchrun --nnodes 2 running `nbtrain train`: two "nodes" of one process each on this machine (static
+    rendezvous on 127.0.0.1), LoRA under FSDP. Rank 0 writes the run and the consolidated adapter, which peft
+    loads onto its base and which computes what the 1-process run's model computes."""
+    import pandas as pd
     from peft import AutoPeftModelForCausalLM
 
     cfg = tmp_path / "c.yaml"
     nbt.TrainConfig(**BASE, micro_batch_size=4, method="lora", lora_dropout=0.0, sharding="fsdp").to_yaml(cfg)
-    torchrun("-m", "nbtrain", "train", cfg, "--output-dir", tmp_path / "out")
-    saved = tmp_path / "out" / "model"
-    assert (saved / "adapter_config.json").is_file() and not (saved / "model.safetensors").exists()
-    model = AutoPeftModelForCausalLM.from_pretrained(saved).eval()
-    ids = torch.arange(1, 17).unsqueeze(0)
-    ref = nbt.train(nbt.TrainConfig(**BASE, micro_batch_size=8, method="lora", lora_dropout=0.0)).model.eval()
-    with torch.no_grad():
-        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
-    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
-
-
-def test_two_nodes_on_loopback(tmp_path, single):
-    """torchrun --nnodes 2: two "nodes" of one process each on this machine, static rendezvous on 127.0.0.1."""
-    cfg = tmp_path / "c.yaml"
-    nbt.TrainConfig(**BASE, micro_batch_size=4, sharding="fsdp").to_yaml(cfg)
     port = free_port()
     procs = []
     for node in (0, 1):
@@ -204,16 +190,27 @@ def test_two_nodes_on_loopback(tmp_path, single):
         procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    summary = json.loads((tmp_path / "out0" / "summary.json").read_text())
-    assert summary["world_size"] == 2
-    import pandas as pd
-
-    close(pd.read_csv(tmp_path / "out0" / "history.csv")["loss"].tolist(), single["full"]["loss"])
+    out = tmp_path / "out0"
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    close(pd.read_csv(out / "history.csv")["loss"].tolist(), single["lora"]["loss"])
     assert not (tmp_path / "out1" / "summary.json").exists()   # rank 0 alone writes
 
+    saved = out / "model"
+    assert (saved / "adapter_config.json").is_file() and not (saved / "model.safetensors").exists()
+    model = AutoPeftModelForCausalLM.from_pretrained(saved).eval()
+    ids = torch.arange(1, 17).unsqueeze(0)
+    ref = nbt.train(nbt.TrainConfig(**BASE, micro_batch_size=8, method="lora", lora_dropout=0.0)).model.eval()
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
-def test_launch_fsdp_streams_and_stops():
-    """nbt.launch with sharding='fsdp': rank 0's records reach the callbacks; Stop ends every rank cleanly."""
+
+def test_accelerate_launch_with_its_fsdp_config_streams_and_stops():
+    """nbt.launch(launcher="accelerate") on a sharded config: accelerate launch --config_file with the exported
+    FSDP config (distributed_type FSDP, fsdp_version 2) runs `nbtrain train` on 2 ranks; rank 0's records reach
+    the callbacks, and Stop ends every rank cleanly, the model kept."""
+    import yaml
+
     gate = threading.Event()
     seen = []
 
@@ -224,7 +221,9 @@ def test_launch_fsdp_streams_and_stops():
                 gate.set()
 
     cfg = nbt.TrainConfig(**{**BASE, "max_steps": 100000}, micro_batch_size=4, sharding="fsdp")
-    run = nbt.launch(cfg, num_processes=2, callbacks=[Gate()])
+    run = nbt.launch(cfg, num_processes=2, launcher="accelerate", callbacks=[Gate()])
+    conf = yaml.safe_load(Path(run.command[run.command.index("--config_file") + 1]).read_text())
+    assert conf["distributed_type"] == "FSDP" and conf["fsdp_config"]["fsdp_version"] == 2
     assert gate.wait(400), "\n".join(run.log[-30:])
     children = psutil.Process(run.process.pid).children(recursive=True)
     run.stop()
@@ -235,19 +234,4 @@ def test_launch_fsdp_streams_and_stops():
     assert 2 <= len(result.history) == len(seen) < 100000
     assert run.process.returncode == 0   # a clean end, not the grace period's SIGTERM
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert (Path(run.output_dir) / "model" / "model.safetensors").is_file()   # stopped runs keep their model
-
-
-def test_accelerate_launch_with_its_fsdp_config(single):
-    """nbt.launch(launcher="accelerate") on a sharded config: accelerate launch --config_file with the exported
-    FSDP config (distributed_type FSDP, fsdp_version 2) runs `nbtrain train` on 2 ranks, numbers as 1 process."""
-    import yaml
-
-    cfg = nbt.TrainConfig(**BASE, micro_batch_size=4, sharding="fsdp")
-    run = nbt.launch(cfg, num_processes=2, launcher="accelerate")
-    result = run.wait(400)
-    assert result is not None, "\n".join(run.log[-30:])
-    conf = yaml.safe_load(Path(run.command[run.command.index("--config_file") + 1]).read_text())
-    assert conf["distributed_type"] == "FSDP" and conf["fsdp_config"]["fsdp_version"] == 2
-    assert result.summary["world_size"] == 2 and any("FSDP2 over 2" in n for n in result.summary["notes"])
-    close(result.history["loss"].tolist(), single["full"]["loss"])
+    assert (Path(run.output_dir) / "model" / "model.safetensors").is_file()   # a stopped run keeps its model
