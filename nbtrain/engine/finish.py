@@ -231,7 +231,7 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
         lost_updates=lost, lost_updates_by_step=by_step or None, optimizer=st.cfg.optimizer,
         weights_dtype=weights_dtype(st.params),
         # The loop only records the out-of-memory stop; what to change comes from the estimator.
-        advice=oom_advice(st.cfg) if stopped_reason == "out_of_memory" else None,
+        advice=oom_advice(st.cfg, world_size=st.dist.world) if stopped_reason == "out_of_memory" else None,
         variant=st.variant, world_size=st.dist.world, sample_s=sample_s,
     )
 
