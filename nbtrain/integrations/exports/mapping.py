@@ -320,21 +320,15 @@ def fsdp_layer_class(cfg: TrainConfig) -> Optional[str]:
 @functools.lru_cache(maxsize=32)
 def _layer_class(model_name: str, task: str) -> Optional[str]:
     # cached: one export asks several times, and a Hub model that is not cached costs a timeout each time
-    import torch
-
+    from ...engine.distributed import layer_stack   # the blocks nbtrain's own FSDP wraps
     from ...models.loading import ModelError, meta_model
 
     try:
         model = meta_model(model_name, task)
     except ModelError:
         return None
-    best, best_n = None, 0
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(m) for m in mod}) == 1:
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = mod, n
-    return type(best[0]).__name__ if best is not None else None
+    blocks = layer_stack(model)
+    return type(blocks[0]).__name__ if blocks else None
 
 
 def hf_fsdp_config(cfg: TrainConfig, layer: Optional[str] = None) -> dict[str, Any]:
