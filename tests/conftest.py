@@ -53,3 +53,30 @@ def big_vocab_model(tmp_path_factory):
         pad_token_id=tok.pad_token_id)).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def fsdp_worker_runs(tmp_path_factory):
+    """Every 2-process scenario of tests/fsdp_worker.py (FSDP and DDP on gloo) from one torchrun start-up: rank 0's
+    records and final weights by scenario name, and ``_dir``, the folder they ran in (tests/test_fsdp.py,
+    tests/test_memory_fsdp.py)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    out = tmp_path_factory.mktemp("fsdp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(Path(__file__).with_name("fsdp_worker.py")), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    runs = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
+    runs["_dir"] = out
+    return runs

@@ -17,7 +17,9 @@ import nbtrain.engine.distributed as nbdist
 
 BASE = dict(model="tiny", subset=64, max_seq_len=48, max_steps=4, eval_fraction=0.0, precision="fp32", lr=1e-3,
             micro_batch_size=4, sharding="fsdp")
-RANK = int(os.environ["RANK"])
+RANK = int(os.environ.get("RANK", "0"))
+# packed rows are all max_seq_len long: each rank's micro-batches have the shape the memory estimate assumes
+MEMORY_RUN = dict(max_steps=3, packing=True)
 
 
 class Inspect:
@@ -106,6 +108,9 @@ def scenarios(out: Path) -> dict:
         "fsdp_ckpt": lambda: run("fsdp_ckpt", out, output_dir=str(ck), save_every=2),
         "fsdp_resume": lambda: run("fsdp_resume", out, output_dir=str(out / "ck_resumed"),
                                    resume_from=str(ck / "checkpoints" / "step-000002")),
+        # tests/test_memory_fsdp.py: rank 0's traced tensors vs the per-rank estimate (its MEMORY_RUN config)
+        "mem_full": lambda: run("mem_full", out, **MEMORY_RUN),
+        "mem_lora": lambda: run("mem_lora", out, **MEMORY_RUN, method="lora"),
     }
 
 

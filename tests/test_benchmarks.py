@@ -233,17 +233,3 @@ def test_fsdp_rows_run_on_cpu(suite, tmp_path):
     assert rows["nbtrain:bf16@fsdp"]["final_loss"] == pytest.approx(rows["nbtrain:bf16"]["final_loss"], rel=1e-3)
     assert (tmp_path / "cpu_suite_fsdp.json").exists() and not (tmp_path / "cpu_suite.json").exists()
     assert any(c["check"].startswith("bf16@fsdp / bf16") and c["value"] for c in res["checks"])
-
-
-def test_fsdp_cost_benchmark_quick(tmp_path):
-    """benchmarks/fsdp_cost.py --quick: the four variants run, ratios and the loss check are written."""
-    spec = importlib.util.spec_from_file_location("fsdp_cost_bench", ROOT / "benchmarks" / "fsdp_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fsdp_cost_bench"] = mod   # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    res = mod.main(["--quick", "--out", str(tmp_path), "--stem", "q"])
-    assert json.loads((tmp_path / "q.json").read_text())["ratios"] == res["ratios"]
-    assert {r["variant"] for r in res["runs"]} == {"plain", "ddp_2", "fsdp_2", "fsdp_1"}
-    assert res["checks"]["sharded_as_asked"] and res["checks"]["losses"]["pass"]
-    assert res["checks"]["world_sizes"] == {"plain": 1, "ddp_2": 2, "fsdp_2": 2, "fsdp_1": 1}
-    assert all(res["ratios"][k]["median"] > 0 for k in res["ratios"])

@@ -23,7 +23,6 @@ pytestmark = pytest.mark.slow   # each start-up of 2 processes is ~15 s on 2 cor
 
 BASE = dict(model="tiny", subset=64, max_seq_len=48, max_steps=4, eval_fraction=0.0, precision="fp32", lr=1e-3)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 def free_port() -> int:
@@ -41,13 +40,8 @@ def torchrun(*args, nproc=2, timeout=600, **popen):
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    """Every 2-process scenario, rank 0's records and final weights by name."""
-    out = tmp_path_factory.mktemp("fsdp")
-    torchrun(WORKER, out)
-    runs = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
-    runs["_dir"] = out
-    return runs
+def worker(fsdp_worker_runs):
+    return fsdp_worker_runs
 
 
 @pytest.fixture(scope="module")

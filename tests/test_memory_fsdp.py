@@ -8,12 +8,9 @@ import dataclasses
 import os
 import re
 import socket
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
-import torch
 
 from nbtrain.config import TrainConfig
 from nbtrain.memory import estimate_memory
@@ -194,36 +191,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-RUN = dict(model="tiny", data="builtin:python-docs", sharding="fsdp", precision="fp32", max_steps=3, subset=64,
-           max_seq_len=48, eval_fraction=0.0, micro_batch_size=4,
-           # packed rows are all max_seq_len long: each rank's micro-batches have the shape the estimate assumes
-           packing=True)
+def _memory_run(method: str) -> TrainConfig:
+    """The config tests/fsdp_worker.py's mem_<method> scenario ran (its BASE with MEMORY_RUN)."""
+    from . import fsdp_worker
+
+    return TrainConfig(**{**fsdp_worker.BASE, **fsdp_worker.MEMORY_RUN}, method=method)
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
-    """{method: (rank 0's history, the config)} of 2-process FSDP runs under torchrun on gloo."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is needed")
-    out = {}
-    for method in ("full", "lora"):
-        d = tmp_path_factory.mktemp(f"fsdp_{method}")
-        cfg = TrainConfig(**RUN, method=method)
-        cfg.to_yaml(d / "c.yaml")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "nbtrain",
-                            "train", str(d / "c.yaml"), "--output-dir", str(d / "out")],
-                           cwd=d, env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        out[method] = (pd.read_csv(d / "out" / "history.csv"), cfg)
-    return out
+def fsdp_runs(fsdp_worker_runs):
+    """{method: (rank 0's host_tensors_gib per step, the config)} of the 2-process FSDP runs (one torchrun for
+    every 2-process test: conftest's fsdp_worker_runs)."""
+    return {m: (pd.Series(fsdp_worker_runs[f"mem_{m}"]["host_tensors_gib"], dtype=float), _memory_run(m))
+            for m in ("full", "lora")}
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_rank_traced_run_tensors_match_the_per_rank_estimate(fsdp_runs, method):
     history, cfg = fsdp_runs[method]
-    traced = history["host_tensors_gib"].dropna().max()
+    traced = history.dropna().max()
     est = estimate_memory(cfg, device="cpu", device_total_gib=64, world_size=2)
     whole = estimate_memory(cfg, device="cpu", device_total_gib=64)
     print(f"\n{method}: traced {traced * 1024:.3f} MiB, per-rank estimate {est.run_tensors_gib * 1024:.3f} MiB, "
