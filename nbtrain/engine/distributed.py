@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import collate
+from ..models.loading import layer_stack
 from ..precision import make_scaler
 
 
@@ -189,19 +190,6 @@ class FSDPContext(DistContext):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return norm
-
-
-def layer_stack(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of the model's largest stack of identical blocks (decoder or encoder layers); empty when it has
-    none (then the root alone is sharded)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    best, best_n = None, 0
-    for mod in base.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(m) for m in mod}) == 1:
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = mod, n
-    return list(best) if best is not None else []
 
 
 def init_distributed(device: str, sharding: str = "none", spec=None,

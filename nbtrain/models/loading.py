@@ -337,3 +337,16 @@ def _from_pretrained(src: ModelSource, task: str, num_labels, device: str, quant
     except (ValueError, KeyError) as e:
         raise ModelError(f"model {src.name!r}: could not load it for task {task!r}: "
                          f"{str(e).splitlines()[0]}") from None
+
+
+def layer_stack(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of the model's largest stack of identical blocks (decoder or encoder layers); empty when it has
+    none (then the root alone is sharded)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    best, best_n = None, 0
+    for mod in base.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(m) for m in mod}) == 1:
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_n:
+                best, best_n = mod, n
+    return list(best) if best is not None else []

@@ -320,8 +320,7 @@ def fsdp_layer_class(cfg: TrainConfig) -> Optional[str]:
 @functools.lru_cache(maxsize=32)
 def _layer_class(model_name: str, task: str) -> Optional[str]:
     # cached: one export asks several times, and a Hub model that is not cached costs a timeout each time
-    from ...engine.distributed import layer_stack   # the blocks nbtrain's own FSDP wraps
-    from ...models.loading import ModelError, meta_model
+    from ...models.loading import ModelError, layer_stack, meta_model   # layer_stack: the blocks FSDP wraps
 
     try:
         model = meta_model(model_name, task)
