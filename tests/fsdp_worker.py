@@ -105,6 +105,10 @@ def scenarios(out: Path) -> dict:
         "fsdp_accum": lambda: run("fsdp_accum", out, micro_batch_size=2, grad_accum_steps=2),
         "fsdp_bf16": bf16,
         "fsdp_fp16_inf": fp16_inf,
+        # the every-tensor precisions that compose with sharding: bf16 weights sharded as they are; fp8's float8
+        # linears (emulated on a CPU) under FSDP's bf16 gather
+        "fsdp_bf16_pure": lambda: run("fsdp_bf16_pure", out, precision="bf16-pure", max_steps=3),
+        "fsdp_fp8": lambda: run("fsdp_fp8", out, precision="fp8", max_steps=3),
         "fsdp_ckpt": lambda: run("fsdp_ckpt", out, output_dir=str(ck), save_every=2),
         "fsdp_resume": lambda: run("fsdp_resume", out, output_dir=str(out / "ck_resumed"),
                                    resume_from=str(ck / "checkpoints" / "step-000002")),

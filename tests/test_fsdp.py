@@ -5,6 +5,7 @@ here. Launchers (torchrun CLI, two nodes on loopback, nbt.launch + Stop) have th
 """
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -118,6 +119,16 @@ def test_fp16_overflow_on_one_rank_skips_on_all(worker):
     assert run["skipped_by_rank"] == [[False, True, False], [False, True, False]]
     assert run["scale"][1] == run["scale"][0] / 2 and run["scale"][2] == run["scale"][1]
     assert run["summary"]["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("precision, weights", [("bf16-pure", torch.bfloat16), ("fp8", torch.float32)])
+def test_every_tensor_precisions_compose_with_sharding(worker, precision, weights):
+    """bf16-pure (bf16 weights sharded, no fp32 master) and fp8 (float8 linears, fp32 masters) train under FSDP."""
+    run = worker[f"fsdp_{precision.replace('-', '_')}"]
+    assert all(math.isfinite(x) for x in run["loss"] + run["grad_norm"]) and run["loss"][-1] < run["loss"][0]
+    assert run["summary"]["precision_used"] == precision
+    floats = {w.dtype for k, w in run["weights"].items() if w.is_floating_point() and "rotary" not in k}
+    assert floats == {weights}, floats
 
 
 def test_sharded_checkpoint_resumes_bitwise(worker):
