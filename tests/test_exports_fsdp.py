@@ -316,7 +316,8 @@ def test_accelerate_config(tmp_path, sharding, reshard):
 _DUMP = ("import json, os\n"
          "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'ACCELERATE_USE_FSDP', "
          "'FSDP_VERSION', 'FSDP_RESHARD_AFTER_FORWARD')\n"
-         "print('ENV' + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)\n")
+         # a file per rank: two ranks printing to one pipe at once can interleave their lines
+         "open(f\"env-{os.environ['RANK']}.json\", 'w').write(json.dumps({k: os.environ.get(k) for k in keys}))\n")
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
@@ -329,7 +330,7 @@ def test_accelerate_launch_starts_every_rank_on_cpu(tmp_path, sharding):
                           "--main_process_port", "0", "dump.py"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    ranks = [json.loads(line[3:]) for line in out.stdout.splitlines() if line.startswith("ENV")]
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("env-*.json"))]
     assert sorted(r["RANK"] for r in ranks) == ["0", "1"]
     assert all(r["WORLD_SIZE"] == "2" and r["MASTER_ADDR"] for r in ranks)
     if sharding == "fsdp":
