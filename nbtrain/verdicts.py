@@ -87,53 +87,90 @@ MIN_RANKED_REPEATS = 3
 # The smallest speed difference ever reported (3%), however quiet the machine looked: below it, what two
 # identical runs differ by (allocator state, caches, the process's growth) is of the same size.
 MIN_EFFECT = 0.03
+# The share of comparisons of identical variants the rule below ranks, at most (measured by simulation:
+# tests/test_speed_rule.py, benchmarks/speed_rule.py).
+FALSE_RANKING_RATE = 0.01
+# Per number of repeats n, the multiple of s / sqrt(n) the median log-ratio must exceed. Calibrated by simulation
+# (benchmarks/speed_rule.py) so that identical variants are ranked in at most ~0.6% of comparisons under
+# log-normal jitter of 2-5% per run with 0-20% of runs slowed 1.2-2.5x; beyond 10 repeats the last one holds.
+SPEED_K = {3: 5.25, 4: 4.0, 5: 3.5, 6: 3.25, 7: 3.25, 8: 3.0, 9: 3.0, 10: 3.0}
+# Above this half-width (relative) a comparison that ranks nothing says it cannot judge, rather than "no
+# measurable difference": a 10% difference could hide in it.
+JUDGEABLE = 0.10
+# 1.4826 x the median absolute deviation estimates a normal's standard deviation.
+_MAD_TO_SD = 1.4826
+# The least noise a pair of timings is credited with (0.5%): clocks and schedulers never do better.
+_MIN_SCALE = 0.005
 
 
 def _finite(values: Sequence[Optional[float]]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v) and v > 0]
 
 
-# A ratio of two runs carries the noise of both: sqrt(2) times one run's spread.
-RATIO_NOISE = math.sqrt(2)
+def _k(n: int) -> float:
+    return SPEED_K.get(n, SPEED_K[max(SPEED_K)]) if n >= MIN_RANKED_REPEATS else math.inf
 
 
-def run_spread(timings: Sequence[float]) -> float:
-    """One run's repeat-to-repeat noise: the range of ``timings`` relative to their median (NaN with fewer
-    than MIN_RANKED_REPEATS finite ones)."""
-    t = _finite(timings)
-    return (max(t) - min(t)) / statistics.median(t) if len(t) >= MIN_RANKED_REPEATS else math.nan
+def _pooled_sd(*arms: Sequence[float]) -> float:
+    """The standard deviation of log-timings about each arm's own mean, pooled over the arms."""
+    ss = sum(sum((x - statistics.fmean(a)) ** 2 for x in a) for a in arms)
+    df = sum(len(a) - 1 for a in arms)
+    return math.sqrt(ss / df) if df > 0 else math.nan
+
+
+def _pair_scale(logs: Sequence[Sequence[float]], d: Sequence[float] = ()) -> float:
+    """The noise of one log-ratio of two runs, from the arms' own log-timings ``logs`` (and the paired log-ratios
+    ``d`` when given), robust to a disturbed run from four repeats on.
+
+    With three repeats one of three deviations from their median is zero by construction, so a median
+    absolute deviation says little: the pooled standard deviation of the arms (two degrees of freedom each) is
+    used, and a disturbed run widens it (the verdict is then "too noisy", not wrong). From four on: 1.4826 x the
+    median of every within-arm pairwise |difference| (a difference of two runs, like a log-ratio), and of the
+    log-ratios' own absolute deviations from their median, whichever is wider."""
+    n = min(len(a) for a in logs)
+    if n < 2:
+        return math.nan
+    if n < 4:
+        return max(math.sqrt(2) * _pooled_sd(*logs), _MIN_SCALE)
+    within = [abs(a[i] - a[j]) for a in logs for i in range(len(a)) for j in range(i + 1, len(a))]
+    s = _MAD_TO_SD * statistics.median(within)
+    if d:
+        m = statistics.median(d)
+        s = max(s, _MAD_TO_SD * statistics.median(abs(x - m) for x in d))
+    return max(s, _MIN_SCALE)
 
 
 def noise_floor(reference_timings: Sequence[float], aa_timings: Sequence[float] = ()) -> float:
-    """How far (relative, 0.04 = ±4%) the throughputs of two identical runs differ on this machine; NaN when
-    unknown.
+    """The smallest speed difference (relative, 0.04 = ±4%) a comparison can rank here; NaN when unknown.
 
-    With ``aa_timings`` (an unrecorded copy of the reference, timed in every repeat beside it) the floor is the
-    largest |copy / reference - 1| over the repeats, a ratio measured as such; else, with at least
-    MIN_RANKED_REPEATS repeats, RATIO_NOISE times the reference's own range over its repeats relative to its
-    median (a ratio of two runs varies by both). Never below MIN_EFFECT."""
-    pairs = [(a, b) for a, b in zip(aa_timings, reference_timings)
-             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0]
-    if pairs:
-        floor = max(max(a / b, b / a) - 1 for a, b in pairs)
-    else:
-        floor = RATIO_NOISE * run_spread(reference_timings)
-        if math.isnan(floor):
-            return math.nan
-    return max(MIN_EFFECT, floor)
+    With ``aa_timings`` (an unrecorded copy of the reference, timed in every repeat beside it) it is the half-width
+    the speed rule finds for that copy against the reference; else, with at least MIN_RANKED_REPEATS repeats, the
+    half-width a variant as noisy as the reference's own repeats would get. Never below MIN_EFFECT."""
+    if any(a is not None and math.isfinite(a) and a > 0 for a in aa_timings):
+        aa = speed(aa_timings, reference_timings)
+        return max(MIN_EFFECT, aa.floor) if aa is not None and math.isfinite(aa.floor) else math.nan
+    t = _finite(reference_timings)
+    if len(t) < MIN_RANKED_REPEATS:
+        return math.nan
+    logs = [math.log(x) for x in t]
+    half = _k(len(t)) * _pair_scale([logs, logs]) / math.sqrt(len(t))
+    return max(MIN_EFFECT, math.expm1(half))
 
 
 @dataclass
 class Speed:
-    """Throughput of a variant relative to the reference: the median of the paired per-repeat ratios and
-    their range. ``n`` repeats; with one the spread is unknown (``low``/``high`` equal the ratio). ``floor`` is
-    the noise floor it is judged against (``noise_floor``; NaN when unknown)."""
+    """Throughput of a variant relative to the reference, from the per-repeat ratios (repeat r of each ran in the
+    same round): ``ratio`` is their median, ``low``/``high`` their range, ``n`` the repeats, ``floor`` the
+    rule's half-width (relative, 0.2 = ±20%: a difference inside it is not ranked; NaN when unknown) and
+    ``state`` the answer: "faster" | "slower" | "same" (nothing beyond a half-width of at most JUDGEABLE) |
+    "too noisy" (the data cannot support a claim) | "too few" (under MIN_RANKED_REPEATS repeats)."""
 
     ratio: float
     low: float
     high: float
     n: int
     floor: float = math.nan
+    state: str = "too few"
 
     @property
     def spread(self) -> float:
@@ -142,34 +179,49 @@ class Speed:
 
     @property
     def measurable(self) -> bool:
-        """True when at least MIN_RANKED_REPEATS repeats all order the two the same way (the whole range is
-        above or below 1) and the median ratio is further from 1 than the noise floor (and MIN_EFFECT), in
-        either direction (1.05x faster and 1.05x slower alike)."""
-        if self.n < MIN_RANKED_REPEATS or not (self.low > 1.0 or self.high < 1.0):
-            return False
-        floor = self.floor if math.isfinite(self.floor) else MIN_EFFECT
-        return max(self.ratio, 1 / self.ratio) - 1 > max(floor, MIN_EFFECT)
+        """True when the rule ranks the two (``state`` is "faster" or "slower"): at most FALSE_RANKING_RATE of
+        comparisons of identical variants are."""
+        return self.state in ("faster", "slower")
 
 
 def speed(timings: Sequence[float], reference_timings: Sequence[float],
           floor: Optional[float] = None) -> Optional[Speed]:
-    """Tokens/s of a variant over the reference's, paired by repeat (repeat r of each ran in the same round,
-    under the same machine conditions); None when either has no finite timing. ``floor`` defaults to
-    ``noise_floor(reference_timings)``; the variant's own spread (``RATIO_NOISE * run_spread(timings)``) raises
-    it where that is wider."""
+    """Tokens/s of a variant over the reference's, paired by repeat; None when no repeat has both timings.
+
+    The rule, on the per-repeat log-ratios d: their median m against a noise scale s (``_pair_scale``: robust to a
+    disturbed run from four repeats on). The variant is ranked when |m| > SPEED_K[n] x s / sqrt(n) (the
+    half-width, calibrated to rank identical variants in at most FALSE_RANKING_RATE of comparisons) and
+    |m| > MIN_EFFECT, when each side's fastest repeat agrees on the direction (a run is only ever slowed by a
+    disturbance, so the fastest is the least disturbed), and, with three repeats, when all three agree.
+    ``floor`` (e.g. an A/A copy's half-width, ``noise_floor``) widens the half-width where it is wider."""
     pairs = [(a, b) for a, b in zip(timings, reference_timings)
-             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and b > 0]
+             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0]
     if not pairs:
         return None
     ratios = [a / b for a, b in pairs]
-    if floor is None:
-        floor = noise_floor(reference_timings)
-    own = RATIO_NOISE * run_spread(timings)
-    if math.isfinite(floor) and math.isfinite(own):
-        # The variant's own repeats are a second look at the machine's noise: three timings of the reference
-        # alone sometimes fall close together by chance (a floor at the 3% minimum, A/A ratios of 0.966).
-        floor = max(floor, own)
-    return Speed(statistics.median(ratios), min(ratios), max(ratios), len(ratios), float(floor))
+    n = len(pairs)
+    m = statistics.median(math.log(r) for r in ratios)
+    out = Speed(math.exp(m), min(ratios), max(ratios), n)
+    if n < MIN_RANKED_REPEATS:
+        return out
+    la, lb = [math.log(a) for a, _ in pairs], [math.log(b) for _, b in pairs]
+    d = [x - y for x, y in zip(la, lb)]
+    half = _k(n) * _pair_scale([la, lb], d) / math.sqrt(n)
+    if floor is not None and math.isfinite(floor) and floor > 0:
+        half = max(half, math.log1p(floor))
+    out.floor = math.expm1(half)
+    least = math.log1p(MIN_EFFECT)
+    best = max(la) - max(lb)
+    beyond = abs(m) > half and abs(m) > least
+    agree = (best * m > 0 and abs(best) > least
+             and (n > MIN_RANKED_REPEATS or all(x * m > 0 for x in d)))
+    if beyond and agree:
+        out.state = "faster" if m > 0 else "slower"
+    elif beyond or out.floor > JUDGEABLE:
+        out.state = "too noisy"
+    else:
+        out.state = "same"
+    return out
 
 
 @dataclass
@@ -221,17 +273,21 @@ def _speed_text(s: Optional[Speed], reference: str) -> str:
     if s is None:
         return "speed not measured"
     if s.n == 1:
-        return f"{s.ratio:.2f}x the speed of {reference} (one timing, spread unknown: use repeats=3)"
+        return f"{s.ratio:.2f}x the speed of {reference} (one timing, spread unknown: use repeats=5)"
     if s.n < MIN_RANKED_REPEATS:
-        return (f"{s.ratio:.2f}x the speed of {reference} (±{s.spread:.2f} over {s.n} timings: too few to rank, "
-                f"use repeats={MIN_RANKED_REPEATS})")
-    floor = s.floor if math.isfinite(s.floor) else MIN_EFFECT
-    if not s.measurable:
-        return f"no measurable speed difference ({s.ratio:.2f}x, within ±{floor:.2f} noise)"
-    # measurable means at least MIN_EFFECT away from 1, so two decimals never read "1.00x faster"
-    if s.ratio >= 1:
-        return f"{s.ratio:.2f}x faster (±{s.spread:.2f}, noise ±{floor:.2f})"
-    return f"{1 / s.ratio:.2f}x slower (±{s.spread / s.ratio ** 2:.2f}, noise ±{floor:.2f})"
+        return (f"{s.ratio:.2f}x the speed of {reference} ({s.low:.2f}-{s.high:.2f}x over {s.n} timings: too few "
+                "to rank, use repeats=5)")
+    span = f"{s.low:.2f}-{s.high:.2f}x over {s.n} repeats"
+    if s.state == "same":
+        return (f"no measurable speed difference (median {s.ratio:.2f}x, {span}; a difference beyond "
+                f"±{s.floor:.0%} would have been ranked)")
+    if s.state == "too noisy":
+        how = ("repeats=5 on a quiet machine" if s.n < 5 else "more repeats or on a quieter machine")
+        return (f"speed too noisy to judge here (±{s.floor:.0%}; median {s.ratio:.2f}x, {span}): rerun with {how}")
+    # ranked means at least MIN_EFFECT away from 1, so two decimals never read "1.00x faster"
+    word, r = ("faster", s.ratio) if s.state == "faster" else ("slower", 1 / s.ratio)
+    return (f"{r:.2f}x {word} (median; {span}; noise ±{s.floor:.0%}, "
+            f"{FALSE_RANKING_RATE:.0%} false-ranking rule)")
 
 
 # Which way an eval difference (variant - reference) is better: accuracy up, loss down.
@@ -280,7 +336,9 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
             v.parts.append("the reference" + (f" (seed noise from seeds {', '.join(map(str, band.seeds))})"
                                               if band is not None else ""))
     else:
-        v.speed = speed(timings, reference_timings, noise_floor(reference_timings, aa_timings))
+        # an A/A copy's half-width widens the variant's own (without one the rule's calibration stands alone)
+        aa = noise_floor(reference_timings, aa_timings) if _finite(aa_timings) else None
+        v.speed = speed(timings, reference_timings, aa)
         v.parts.append(_speed_text(v.speed, reference))
         diff = differences({reference: reference_history, name: history}, reference)[name]
         finite = diff[np.isfinite(diff)]

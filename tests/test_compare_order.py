@@ -59,18 +59,20 @@ def test_three_variants_take_every_position_once(spy):
         mine = [c["result"] for c in spy if c["variant"] == name]
         assert cmp.results[name] is mine[0]
         assert cmp.timings[name] == [(m.summary["tokens_per_s"], m.summary["wall_s"]) for m in mine]
-    # The noise floor (from the reference's own range over 3 repeats, raised to a variant's own where wider) is
-    # on every row; each row says whether its speed difference is outside it, as its verdict does.
+    # The comparison's floor is the rule's half-width for a variant as noisy as the reference; each row carries
+    # the half-width its own speed was judged on, and says whether it was ranked, as its verdict does.
     ref_tps = [t for t, _ in cmp.timings["A"]]
     assert cmp.noise_floor == pytest.approx(verdicts.noise_floor(ref_tps))
     floors = [cmp.verdicts[n].speed.floor if n != "A" else cmp.noise_floor for n in "ABC"]
     assert cmp.table.noise_floor.tolist() == pytest.approx(floors)
     for name in "BC":
-        own = verdicts.RATIO_NOISE * verdicts.run_spread([t for t, _ in cmp.timings[name]])
-        assert cmp.verdicts[name].speed.floor == pytest.approx(max(cmp.noise_floor, own))
+        alone = verdicts.speed([t for t, _ in cmp.timings[name]], ref_tps)
+        assert cmp.verdicts[name].speed == alone   # no A/A copy: the rule stands alone
     assert str(cmp.table.speed_measurable.dtype) == "boolean"
     for name in "BC":
-        assert bool(cmp.table.set_index("variant").speed_measurable[name]) == cmp.verdicts[name].speed.measurable
+        row = cmp.table.set_index("variant").loc[name]
+        assert bool(row.speed_measurable) == cmp.verdicts[name].speed.measurable
+        assert row.speed_state == cmp.verdicts[name].speed.state
     cols = list(cmp.table.columns)
     assert cols.index("noise_floor") == cols.index("speedup_spread") + 1
     assert cols.index("speed_measurable") == cols.index("noise_floor") + 1
@@ -107,8 +109,9 @@ def test_aa_copy_runs_in_the_rotation_unrecorded(spy, tmp_path):
     # The floor comes from the copy, and the verdicts judge against the same one.
     ref_tps = [t for t, _ in cmp.timings["A"]]
     assert cmp.noise_floor == pytest.approx(verdicts.noise_floor(ref_tps, cmp.aa_timings))
-    own = verdicts.RATIO_NOISE * verdicts.run_spread([t for t, _ in cmp.timings["B"]])   # B's own, where wider
+    own = verdicts.speed([t for t, _ in cmp.timings["B"]], ref_tps).floor   # B's own half-width, where wider
     assert cmp.verdicts["B"].speed.floor == pytest.approx(max(cmp.noise_floor, own))
+    assert cmp.noise_floor == pytest.approx(max(verdicts.MIN_EFFECT, verdicts.speed(cmp.aa_timings, ref_tps).floor))
     assert "identical copy of 'A'" in cmp.format_table()
 
 

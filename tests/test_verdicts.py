@@ -48,11 +48,15 @@ def test_leaves_band_names_the_first_step_outside():
 def test_speed_ratio_pairs_repeats_and_says_when_it_is_noise():
     s = V.speed([160, 150, 170], [100, 100, 100])
     assert s.ratio == pytest.approx(1.6) and (s.low, s.high, s.n) == (1.5, 1.7, 3)
-    assert s.spread == pytest.approx(0.1) and s.measurable
+    assert s.spread == pytest.approx(0.1) and s.measurable and s.state == "faster"
+    # the half-width: k(3) x the pooled log-timing sd (x sqrt 2, a ratio of two runs) / sqrt(3)
+    sd = np.std(np.log([160, 150, 170]), ddof=1)
+    half = V.SPEED_K[3] * math.sqrt(2) * math.sqrt(sd ** 2 / 2) / math.sqrt(3)
+    assert s.floor == pytest.approx(math.expm1(half))
     flat = V.speed([105, 95, 101], [100, 100, 100])
-    assert not flat.measurable   # the repeats disagree on the order
+    assert not flat.measurable and flat.state in ("same", "too noisy")   # the repeats disagree on the order
     one = V.speed([150], [100])
-    assert one.n == 1 and math.isnan(one.spread) and not one.measurable
+    assert one.n == 1 and math.isnan(one.spread) and not one.measurable and one.state == "too few"
     assert V.speed([], []) is None and V.speed([float("nan")], [100]) is None
 
 
@@ -64,9 +68,9 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
                      timings=[160, 150, 170], reference_timings=[100, 100, 100], band=band)
     assert good.within_noise and good.leaves_band_at is None
     assert good.max_abs_diff == pytest.approx(0.05)
-    assert good.text == "bf16: 1.60x faster (±0.10, noise ±0.18), loss within seed noise at every step"
-    # the reference's range is 0: the variant's own counts, sqrt(2) times (a ratio of two runs varies by both)
-    assert good.speed.floor == pytest.approx(math.sqrt(2) * 20 / 160)
+    assert good.text == (f"bf16: 1.60x faster (median; 1.50-1.70x over 3 repeats; noise ±{good.speed.floor:.0%}, "
+                         "1% false-ranking rule), loss within seed noise at every step")
+    assert good.speed == V.speed([160, 150, 170], [100, 100, 100])
 
     fp16 = hist([5.0, 5.0, 5.0, 3.5], scale=[65536.0, 32768.0, 16384.0, 8192.0])
     bad = V.verdict("fp16", "fp32", fp16, ref,
@@ -75,7 +79,9 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
     assert bad.leaves_band_at == 2 and bad.within_noise is False
     assert (bad.scale_first, bad.scale_min) == (65536.0, 8192.0)
     assert bad.direction == "higher"
-    assert bad.text == ("fp16: no measurable speed difference (1.01x, within ±0.14 noise), loss higher than fp32 "
+    assert bad.speed.state == "too noisy"   # three repeats that disagree, ±9% jitter: no claim either way
+    assert bad.text == (f"fp16: speed too noisy to judge here (±{bad.speed.floor:.0%}; median 1.01x, 0.95-1.05x over "
+                        "3 repeats): rerun with repeats=5 on a quiet machine, loss higher than fp32 "
                         "beyond seed noise from step 2, 3 skipped steps (scale 65,536 → 8,192)")
 
     ref_v = V.verdict("fp32", "fp32", ref, ref, {"skipped_steps": 0}, band=band)
@@ -108,35 +114,39 @@ def test_eval_difference_is_in_the_verdict():
 def test_two_agreeing_repeats_are_too_few_to_rank():
     """Two identical variants order the same way in two repeats half the time: no ranking below three."""
     two = V.speed([105, 104], [100, 100])
-    assert not two.measurable
+    assert not two.measurable and two.state == "too few"
     v = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[105, 104],
                   reference_timings=[100, 100])
     assert "too few to rank" in v.text and "faster" not in v.text
     assert V.speed([105, 104, 103], [100, 100, 100]).measurable
 
 
-def test_noise_floor_is_the_references_own_spread_or_the_aa_pair_and_never_below_the_minimum():
-    assert V.run_spread([100, 110, 95]) == pytest.approx(15 / 100)
-    assert V.noise_floor([100, 110, 95]) == pytest.approx(math.sqrt(2) * 15 / 100)   # a ratio: both runs' noise
-    assert V.noise_floor([100, 100.5, 100]) == V.MIN_EFFECT
+def test_noise_floor_is_the_rules_half_width_for_the_reference_or_the_aa_copy_never_below_the_minimum():
+    ref = [100, 110, 95]
+    sd = np.std(np.log(ref), ddof=1)
+    assert V.noise_floor(ref) == pytest.approx(math.expm1(V.SPEED_K[3] * math.sqrt(2) * sd / math.sqrt(3)))
+    assert V.noise_floor([100, 100.01, 100]) == V.MIN_EFFECT
     assert math.isnan(V.noise_floor([100, 101]))                        # two repeats say nothing of the noise
-    # an explicit A/A copy: the largest way it strayed from the reference in any repeat, either direction
-    assert V.noise_floor([100, 100, 100], aa_timings=[104, 100, 95]) == pytest.approx(100 / 95 - 1)
-    # all three ratios above 1, but inside the noise of a ratio of two runs like the reference's: no ranking
+    # an explicit A/A copy: the rule's half-width for it against the reference
+    aa = [104, 100, 95]
+    assert V.noise_floor([100, 100, 100], aa_timings=aa) == pytest.approx(V.speed(aa, [100, 100, 100]).floor)
+    # all three ratios above 1, but inside the noise of the runs: no ranking, and said as such
     noisy = V.speed([110, 120, 105], [100, 110, 95])
-    assert noisy.low > 1 and noisy.floor == pytest.approx(math.sqrt(2) * 0.15) and not noisy.measurable
+    assert noisy.low > 1 and not noisy.measurable and noisy.state == "too noisy"
     v = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[110, 120, 105],
                   reference_timings=[100, 110, 95])
-    assert "no measurable speed difference (1.10x, within ±0.21 noise)" in v.text
-    # agreeing repeats, a quiet machine, but 2% is under the minimum effect
-    assert not V.speed([102, 102, 102], [100, 100, 100]).measurable
+    assert f"speed too noisy to judge here (±{noisy.floor:.0%}; median 1.10x" in v.text
+    # agreeing repeats, a quiet machine, but 2% is under the minimum effect: a measured "no difference"
+    quiet = V.speed([102, 102, 102], [100, 100, 100])
+    assert quiet.state == "same" and "no measurable speed difference (median 1.02x" in V._speed_text(quiet, "a")
     # the same difference stated as slower is judged alike (1/0.95 - 1 > 3%)
     slow = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[95, 95, 95],
                      reference_timings=[100, 100, 100])
-    assert slow.speed.measurable and slow.text.startswith("b: 1.05x slower (±0.00, noise ±0.03)")
+    assert slow.speed.measurable and slow.text.startswith("b: 1.05x slower (median; 0.95-0.95x over 3 repeats")
+    # an A/A copy that strayed 6%: its half-width widens the variant's, and 5% is no longer ranked
     aa = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[95, 95, 95],
                    reference_timings=[100, 100, 100], aa_timings=[100, 106, 100])
-    assert not aa.speed.measurable and "within ±0.06 noise" in aa.text
+    assert not aa.speed.measurable and aa.speed.floor == pytest.approx(V.noise_floor([100] * 3, [100, 106, 100]))
 
 
 def test_no_ratio_of_one_is_ever_called_faster_or_slower():

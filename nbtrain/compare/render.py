@@ -231,7 +231,7 @@ class ComparisonViews:
         if self.repeats > 1:
             lines.append(f"tokens/s: median of {self.repeats} interleaved repeats, the order rotated each repeat "
                          f"(the table's order column); speed-up: median of the per-repeat ratios to "
-                         f"{self.reference!r}, ± half their range (an order within it is no measurable difference)")
+                         f"{self.reference!r}, ± half their range")
         lines += self._floor_lines()
         lines += self._seed_lines()
         if self.stopped:
@@ -243,19 +243,19 @@ class ComparisonViews:
         """Where the speed's noise floor comes from (repeats only), and what happened to the A/A copy."""
         if self.repeats <= 1:
             return []
-        ref, least = self.reference, f"{_verdicts.MIN_EFFECT:.0%}"
+        ref, rate = self.reference, f"{_verdicts.FALSE_RANKING_RATE:.0%}"
+        rule = (f"speed rule: the median of the per-repeat log-ratios against a robust spread, calibrated to rank "
+                f"identical variants in at most {rate} of comparisons; each variant's ± is its own half-width")
         if not math.isfinite(self.noise_floor):
             line = (f"noise floor unknown (fewer than {_verdicts.MIN_RANKED_REPEATS} whole repeats of the "
                     "reference): no speed difference is ranked")
         elif self.aa_timings:
-            line = (f"noise floor ±{self.noise_floor:.1%}: the most an identical copy of {ref!r} (run unrecorded "
-                    f"in each of {len(self.aa_timings)} repeats) differed from it, and never below {least}; a "
-                    "variant whose own repeats spread wider is judged against its own spread; a speed difference "
-                    "inside it is no difference")
+            line = (f"noise floor ±{self.noise_floor:.1%}: the rule's half-width for an identical copy of {ref!r} "
+                    f"(run unrecorded in each of {len(self.aa_timings)} repeats), which widens every variant's; "
+                    + rule)
         else:
-            line = (f"noise floor ±{self.noise_floor:.1%}: √2 x {ref!r}'s own range over its repeats, relative "
-                    f"to its median (a ratio of two runs varies by both; a variant's own range where wider), and "
-                    f"never below {least}; a speed difference inside it is no difference")
+            line = (f"noise floor ±{self.noise_floor:.1%}: the rule's half-width for a variant as noisy as "
+                    f"{ref!r}'s own repeats; " + rule)
         return [line] + [f"A/A: {n}" for n in self.aa_notes]
 
     def _seed_lines(self) -> list[str]:

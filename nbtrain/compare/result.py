@@ -123,10 +123,12 @@ def _not_run_why(o: _Outcome) -> str:
 
 def _speed_columns(sp: Optional[_verdicts.Speed], floor: float) -> dict[str, Any]:
     if sp is None:
-        return {"speedup": math.nan, "speedup_spread": math.nan, "noise_floor": floor, "speed_measurable": None}
-    # the floor this variant was judged against: the comparison's, or its own spread where that is wider
+        return {"speedup": math.nan, "speedup_spread": math.nan, "noise_floor": floor, "speed_measurable": None,
+                "speed_state": None}
+    # the half-width this variant was judged against (its own: the rule's, or the A/A copy's where wider)
     return {"speedup": sp.ratio, "speedup_spread": sp.spread,
-            "noise_floor": sp.floor if math.isfinite(sp.floor) else floor, "speed_measurable": bool(sp.measurable)}
+            "noise_floor": sp.floor if math.isfinite(sp.floor) else floor, "speed_measurable": bool(sp.measurable),
+            "speed_state": sp.state}
 
 
 def _run_notes(o: _Outcome, caps) -> list[str]:
@@ -167,7 +169,7 @@ def _completion(o: _Outcome) -> str:
 
 
 def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, list[str]], floor: float,
-                 run_order: Sequence[Sequence[str]]) -> pd.DataFrame:
+                 run_order: Sequence[Sequence[str]], aa_floor: Optional[float] = None) -> pd.DataFrame:
     ref = next((o for o in outcomes if o.name == reference and o.result is not None), None)
     ref_tps = [t for t, _ in ref.timings] if ref is not None else []
     causal = any(o.settings["task"] == "causal-lm" for o in outcomes)
@@ -203,8 +205,8 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             "tokens_per_s": tps,
             "tokens_per_s_spread": _spread([t for t, _ in o.timings]),
             # Paired by repeat (repeat r of every variant ran back to back): the median ratio and half its range,
-            # judged against the noise floor (the same for every row), as the verdicts judge it.
-            **_speed_columns(_verdicts.speed([t for t, _ in o.timings], ref_tps, floor), floor),
+            # judged by the speed rule (widened by an A/A copy's half-width), as the verdicts judge it.
+            **_speed_columns(_verdicts.speed([t for t, _ in o.timings], ref_tps, aa_floor), floor),
             "peak_vram_gib": _float_or_nan(s.get("peak_vram_gib")),
             "peak_host_rss_gib": _float_or_nan(s.get("peak_host_rss_gib")),
             # what the run's own tensors took on a CPU, where RSS is the whole process's (absent in older runs)
@@ -309,12 +311,14 @@ class ComparisonResult(ComparisonViews):
         self.aa_name, self.aa_notes = schedule.aa_name, list(schedule.aa_notes)
         ref_o = next((o for o in outcomes if o.name == reference), None)
         ref_tps = [t for t, _ in ref_o.timings] if ref_o is not None and ref_o.result is not None else []
-        #: how far (relative: 0.04 = ±4%) two identical runs' throughputs differ here, from the A/A copy or the
-        #: reference's own repeats (verdicts.noise_floor); NaN when unknown. A speed difference inside it is none.
+        #: the smallest speed difference (relative: 0.04 = ±4%) this comparison could rank: the speed rule's
+        #: half-width for the A/A copy, or for a variant as noisy as the reference's own repeats
+        #: (verdicts.noise_floor); NaN when unknown. Each variant is judged on its own half-width (the table).
         self.noise_floor = float(_verdicts.noise_floor(ref_tps, self.aa_timings))
         caps = capabilities()
         self.notes = {o.name: _notes(o, caps) for o in outcomes}
-        self.table = _build_table(outcomes, reference, self.notes, self.noise_floor, self.run_order)
+        aa_floor = self.noise_floor if self.aa_timings else None
+        self.table = _build_table(outcomes, reference, self.notes, self.noise_floor, self.run_order, aa_floor)
         self.results = {o.name: o.result for o in outcomes if o.result is not None}
         self.configs = {o.name: o.config for o in outcomes if o.config is not None}
         self.overrides = {o.name: o.overrides for o in outcomes}
