@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from .helpers import Collect
+from .helpers import Collect, run_process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -62,7 +62,6 @@ def fsdp_worker_runs(tmp_path_factory):
     tests/test_memory_fsdp.py)."""
     import os
     import socket
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -75,7 +74,7 @@ def fsdp_worker_runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), str(Path(__file__).with_name("fsdp_worker.py")), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_process(cmd, 900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     runs = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
     runs["_dir"] = out

@@ -64,3 +64,77 @@ def storage_bytes(tensors) -> int:
             seen.add(st.data_ptr())
             total += st.nbytes()
     return total
+
+
+# -- bounded waits that say what they waited for -------------------------------------------------------------------
+def _tail(text, n=4000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return (text or "")[-n:]
+
+
+def run_process(cmd, timeout: float, **kw):
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)``; on a timeout the test
+    fails with the command and the tails of what it printed (stdout and stderr), not a bare TimeoutExpired."""
+    import subprocess
+
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{' '.join(map(str, cmd))[:300]} did not end within {timeout:.0f} s\n"
+                             f"--- stdout tail ---\n{_tail(e.stdout)}\n--- stderr tail ---\n{_tail(e.stderr)}") from None
+
+
+def communicate(proc, timeout: float) -> str:
+    """``proc.communicate(timeout)``'s stdout; on a timeout the process is killed and the test fails with the
+    tail of what it printed."""
+    import subprocess
+
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        raise AssertionError(f"{' '.join(map(str, proc.args))[:300]} did not end within {timeout:.0f} s\n"
+                             f"--- output tail ---\n{_tail(out)}") from None
+
+
+def execute_notebook(nb, cwd, timeout: float, env=None) -> None:
+    """Execute ``nb`` headless (nbclient, the python3 kernel = this interpreter, in ``cwd``), each cell within
+    ``timeout`` s. A cell that hangs fails the test with the kernel's Python stacks (every thread: faulthandler,
+    registered on SIGUSR1 by an IPython start-up file, dumped when the cell times out) and the cell's source,
+    instead of a bare CellTimeoutError."""
+    import asyncio
+    import os
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError
+
+    class Client(NotebookClient):
+        stacks = ""
+
+        async def _async_handle_timeout(self, timeout, cell=None):
+            pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+            if pid:
+                os.kill(pid, signal.SIGUSR1)
+                await asyncio.sleep(3)
+                self.stacks = dump.read_text(errors="replace")
+            return await super()._async_handle_timeout(timeout, cell)
+
+    with tempfile.TemporaryDirectory(prefix="nbt-kernel-") as tmp:
+        startup = Path(tmp, "ipython", "profile_default", "startup")
+        startup.mkdir(parents=True)
+        dump = Path(tmp, "stacks.txt")
+        (startup / "00-stacks.py").write_text(
+            "import faulthandler, signal\n"
+            f"faulthandler.register(signal.SIGUSR1, file=open({str(dump)!r}, 'w'), all_threads=True)\n")
+        kernel_env = {**(env if env is not None else os.environ), "IPYTHONDIR": str(Path(tmp, "ipython"))}
+        client = Client(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+        try:
+            client.execute(env=kernel_env)
+        except CellTimeoutError as e:
+            raise AssertionError(f"{e}\n--- the kernel's Python stacks when it timed out ---\n"
+                                 f"{client.stacks[-6000:] or '(none dumped)'}") from None

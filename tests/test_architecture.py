@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .helpers import run_process
 
 ROOT = Path(__file__).resolve().parent.parent / "nbtrain"
 
@@ -112,7 +113,7 @@ def ui_modules_after_import():
     code = ("import json, sys\nout = {}\nfor m in %r:\n    __import__(m)\n"
             "    out[m] = sorted({k.split('.')[0] for k in sys.modules} & set(%r))\nprint(json.dumps(out))"
             % (CORE, UI))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = run_process([sys.executable, "-c", code], 300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 

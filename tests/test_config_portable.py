@@ -2,7 +2,6 @@
 and exports on this one; only a run says that this device cannot run it, with the reason."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,8 @@ import yaml
 
 import nbtrain as nbt
 from nbtrain.cli import main
+
+from .helpers import run_process
 
 TF32_YAML = """\
 model: tiny
@@ -67,7 +68,7 @@ def test_first_config_does_not_import_bitsandbytes():
     code = ("import sys, nbtrain.config as c\n"
             "c.TrainConfig(); c.TrainConfig(method='qlora', precision='tf32')\n"
             "print('bitsandbytes' in sys.modules, 'nbtrain.hardware' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_process([sys.executable, "-c", code], 120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "False"
 

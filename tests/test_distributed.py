@@ -1,7 +1,6 @@
 """Issue 9: the same loop on several processes (gloo on CPU), launched by torchrun, accelerate and nbt.launch."""
 
 import os
-import subprocess
 import threading
 
 import pandas as pd
@@ -11,15 +10,14 @@ import pytest
 import nbtrain as nbt
 from nbtrain.engine.launch import launch_command
 
-from .helpers import Collect
+from .helpers import Collect, execute_notebook, run_process
 
 BASE = dict(model="tiny", subset=64, max_seq_len=48, max_steps=4, eval_fraction=0.0, precision="fp32", lr=1e-3)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _run_cli(cmd, out_dir):
-    proc = subprocess.run(cmd + ["--output-dir", str(out_dir)], env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_process(cmd + ["--output-dir", str(out_dir)], 300, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return pd.read_csv(out_dir / "history.csv")
 
@@ -96,7 +94,6 @@ def test_launch_stop_ends_all_workers():
 def test_launch_feeds_dashboard_in_headless_notebook(tmp_path):
     """nbt.launch with 2 CPU processes drives a LiveDashboard in a notebook executed headless (nbclient)."""
     import nbformat
-    from nbclient import NotebookClient
 
     code = (
         "import nbtrain as nbt\n"
@@ -109,7 +106,7 @@ def test_launch_feeds_dashboard_in_headless_notebook(tmp_path):
         "print('LAUNCH-OK', dash.mode)\n"
     )
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
-    NotebookClient(nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    execute_notebook(nb, tmp_path, 400)
     outputs = nb.cells[0].outputs
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "LAUNCH-OK html" in text

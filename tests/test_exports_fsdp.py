@@ -4,7 +4,6 @@ accelerate config really launches N ranks on this CPU machine with the FSDP envi
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 
@@ -16,6 +15,8 @@ import nbtrain as nbt
 from nbtrain.config import ConfigError
 from nbtrain.integrations import exports as ex
 from nbtrain.integrations.exports import mapping
+
+from .helpers import run_process
 
 SHARDINGS = [("none", True), ("fsdp", True), ("fsdp", False)]
 
@@ -326,9 +327,8 @@ def test_accelerate_launch_starts_every_rank_on_cpu(tmp_path, sharding):
     ex.to_accelerate_config_yaml(cfg, tmp_path / "acc.yaml", num_processes=2)
     (tmp_path / "dump.py").write_text(_DUMP)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "acc.yaml",
-                          "--main_process_port", "0", "dump.py"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=180)
+    out = run_process([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "acc.yaml",
+                       "--main_process_port", "0", "dump.py"], 180, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("env-*.json"))]
     assert sorted(r["RANK"] for r in ranks) == ["0", "1"]

@@ -20,6 +20,8 @@ import torch
 import nbtrain as nbt
 from nbtrain.engine.checkpoint import CheckpointError
 
+from .helpers import communicate, run_process
+
 pytestmark = pytest.mark.slow   # each start-up of 2 processes is ~15 s on 2 cores
 
 BASE = dict(model="tiny", subset=64, max_seq_len=48, max_steps=4, eval_fraction=0.0, precision="fp32", lr=1e-3)
@@ -35,7 +37,7 @@ def free_port() -> int:
 def torchrun(*args, nproc=2, timeout=600, **popen):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *map(str, args)]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, **popen)
+    proc = run_process(cmd, timeout, env=ENV, **popen)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
 
@@ -193,7 +195,7 @@ def test_two_nodes_on_loopback_save_a_reloadable_adapter(tmp_path, single):
                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
                "-m", "nbtrain", "train", str(cfg), "--output-dir", str(tmp_path / f"out{node}")]
         procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    outs = [communicate(p, 600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     out = tmp_path / "out0"
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2

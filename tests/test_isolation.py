@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -13,6 +12,8 @@ import pytest
 import torch
 
 import nbtrain as nbt
+
+from .helpers import run_process
 
 REPS = 10
 
@@ -104,8 +105,7 @@ def test_fresh_process_starts_are_thread_safe_and_exit_cleanly(tmp_path):
             name = f"{case}-{rep}"
             jobs.append((name, f"OUT = {str(tmp_path / name)!r}\n" + textwrap.dedent(body)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", ZYGOTE, json.dumps(jobs), str(tmp_path)], capture_output=True,
-                       text=True, timeout=600, env=env)
+    p = run_process([sys.executable, "-c", ZYGOTE, json.dumps(jobs), str(tmp_path)], 600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     status = json.loads(p.stdout.strip().splitlines()[-1])
     failures = []

@@ -15,6 +15,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from .helpers import execute_notebook
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 CONFIGS = NOTEBOOKS / "configs"
@@ -32,12 +34,9 @@ def _paths() -> list[Path]:
 
 
 def _execute(nb, cwd: Path) -> None:
-    from nbclient import NotebookClient
-
     # The python3 kernel spec runs this interpreter (jupyter_client swaps "python" for sys.executable);
-    # the kernel inherits conftest's offline environment variables.
-    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                   resources={"metadata": {"path": str(cwd)}}).execute()
+    # the kernel inherits conftest's offline environment variables. A hung cell fails with the kernel's stacks.
+    execute_notebook(nb, cwd, CELL_TIMEOUT_S)
 
 
 # -- the repo's notebooks -----------------------------------------------------------------------------------------

@@ -15,12 +15,14 @@ both; ``playwright install`` is never used). Without them the tests skip and say
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -122,6 +124,14 @@ class JupyterServer:
                     "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         self.env.pop("JPY_SESSION_NAME", None)
+        # Every kernel of this server dumps its Python stacks (all threads) into stacks.txt on SIGUSR1: what a
+        # test that timed out waiting for a cell shows (kernel_stacks()).
+        self.stacks = tmp / "stacks.txt"
+        startup = dirs["ipython"] / "profile_default" / "startup"
+        startup.mkdir(parents=True)
+        (startup / "00-stacks.py").write_text(
+            "import faulthandler, signal\n"
+            f"faulthandler.register(signal.SIGUSR1, file=open({str(self.stacks)!r}, 'a'), all_threads=True)\n")
         self.log = tmp / "server.log"
         self.proc: subprocess.Popen | None = None
 
@@ -162,6 +172,29 @@ class JupyterServer:
                     e.add_note(f"{method} {path}: still failing at the deadline, after retries of transient errors")
                     raise
                 time.sleep(RETRY_PAUSE_S)
+
+    def kernel_stacks(self) -> str:
+        """The Python stacks of this server's kernels now (SIGUSR1 to each; see __init__), with the tail of the
+        server's log: what a timed-out wait reports."""
+        import psutil
+
+        if self.proc is None:
+            return ""
+        try:
+            kernels = [c for c in psutil.Process(self.proc.pid).children(recursive=True)
+                       if "ipykernel" in " ".join(c.cmdline())]
+        except psutil.Error:
+            kernels = []
+        for k in kernels:
+            try:
+                k.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                pass
+        time.sleep(3)
+        stacks = self.stacks.read_text(errors="replace") if self.stacks.is_file() else "(none dumped)"
+        log = self.log.read_text(errors="replace") if self.log.is_file() else ""
+        return (f"--- {len(kernels)} kernel(s): Python stacks ---\n{stacks[-6000:]}\n"
+                f"--- jupyter {self.app} log tail ---\n{log[-3000:]}")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -213,6 +246,17 @@ gd => {
 """
 
 
+@contextlib.contextmanager
+def kernel_stacks_on_failure(server: JupyterServer):
+    """A failure inside (a playwright wait that timed out, an assertion) carries the server's kernels' stacks and
+    the tail of its log."""
+    try:
+        yield
+    except Exception as e:
+        e.add_note(server.kernel_stacks())
+        raise
+
+
 def _wait_for_kernel(server: JupyterServer, timeout: float = 120) -> None:
     """Until the page's kernel is started, idle, and connected to the browser by its websocket."""
     deadline = time.monotonic() + timeout
@@ -239,9 +283,9 @@ def _run_all(page, timeout: float = 60) -> None:
         time.sleep(1)
 
 
-def _wait_until_ran(nb, timeout: float) -> None:
+def _wait_until_ran(nb, timeout: float, server: "JupyterServer | None" = None) -> None:
     """Until every code cell of notebook panel ``nb`` shows an execution count and none a "*"; a traceback
-    on the way fails at once."""
+    on the way fails at once. On the timeout the failure carries the kernels' stacks (``server``)."""
     prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
     deadline = time.monotonic() + timeout
     while True:
@@ -249,7 +293,9 @@ def _wait_until_ran(nb, timeout: float) -> None:
         if all(any(ch.isdigit() for ch in t) for t in texts) and not any("*" in t for t in texts):
             return
         assert "Traceback (most recent call last)" not in nb.inner_text(), nb.inner_text()[-3000:]
-        assert time.monotonic() < deadline, f"Run All did not finish in {timeout} s: {texts}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"Run All did not finish in {timeout} s: {texts}\n"
+                                 + (server.kernel_stacks() if server is not None else ""))
         time.sleep(1)
 
 
@@ -263,7 +309,7 @@ def test_quickstart_panel_in_browser(server):
     else:
         url = f"{server.base}/notebooks/{NOTEBOOK}?token={server.token}"
     problems: list[str] = []
-    with sync_playwright() as p:
+    with sync_playwright() as p, kernel_stacks_on_failure(server):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 2200})
@@ -279,7 +325,7 @@ def test_quickstart_panel_in_browser(server):
             n_code = sum(c["cell_type"] == "code"
                          for c in json.loads((ROOT / "notebooks" / NOTEBOOK).read_text())["cells"])
             expect(prompts).to_have_count(n_code)
-            _wait_until_ran(nb, RUN_ALL_TIMEOUT_S)
+            _wait_until_ran(nb, RUN_ALL_TIMEOUT_S, server)
             outputs = nb.locator(".jp-OutputArea").all_inner_texts()
             assert not any("Traceback (most recent call last)" in t for t in outputs), "\n".join(outputs)[-3000:]
 

@@ -25,7 +25,7 @@ import nbformat
 import pytest
 
 from .test_browser import (ARTIFACTS, BROWSER_ARGS, CHROMIUM, KNOWN_UPSTREAM_ERRORS, ROOT, JupyterServer,
-                           _missing, _run_all, _wait_for_kernel, _wait_until_ran)
+                           _missing, _run_all, _wait_for_kernel, _wait_until_ran, kernel_stacks_on_failure)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
@@ -101,7 +101,7 @@ def test_comparison_results_in_browser(lab):
 
     url = f"{lab.base}/lab/workspaces/e2e-{secrets.token_hex(4)}/tree/{NOTEBOOK}?reset&token={lab.token}"
     problems: list[str] = []
-    with sync_playwright() as p:
+    with sync_playwright() as p, kernel_stacks_on_failure(lab):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 2400})
@@ -114,7 +114,7 @@ def test_comparison_results_in_browser(lab):
             _run_all(page)
             prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
             expect(prompts).to_have_count(len(CELLS))
-            _wait_until_ran(nb, RUN_ALL_TIMEOUT_S)
+            _wait_until_ran(nb, RUN_ALL_TIMEOUT_S, lab)
             cells = nb.locator(".jp-CodeCell")
 
             def button(cell, label):
