@@ -27,11 +27,14 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/nbtrain demo
 
+# Two workers on two cores (pytest-xdist; a module's tests stay on one worker, see tests/conftest.py), the 25
+# slowest tests listed, and this machine's tiny fp32 tok/s printed beside the suite's time.
+PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 lab: setup
 	$(BIN)/python -m jupyter lab notebooks/

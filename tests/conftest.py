@@ -9,10 +9,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+# Under pytest-xdist (make test: two workers on two cores) each worker and what it starts (kernels, torchrun
+# ranks) computes on one thread: two threads each would only contend (and OpenMP's spinning burns the other core).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(max(1, 2 // WORKERS))
 
 
+# Under xdist (--dist loadgroup) a group runs on one worker, so that module-scoped fixtures start once: every
+# module is its own group, but these share the session fixture fsdp_worker_runs (one torchrun start-up), and the
+# tests of these modules are independent start-ups (a kernel, a server, a browser) that spread over the workers.
+SHARED_GROUPS = {"test_fsdp": "fsdp", "test_memory_fsdp": "fsdp"}
+SPREAD = {"test_notebooks", "test_browser", "test_browser_results", "test_distributed", "test_isolation"}
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        group = item.nodeid if module in SPREAD else SHARED_GROUPS.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -79,3 +96,38 @@ def fsdp_worker_runs(tmp_path_factory):
     runs = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
     runs["_dir"] = out
     return runs
+
+
+_STARTED: list = []
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _STARTED.append(time.time())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After the run: this machine's tiny fp32 throughput (the demo's config, 20 steps, one thread), printed beside
+    the suite's time so that suite times on different machines can be compared. Printed, never asserted."""
+    if hasattr(config, "workerinput") or config.getoption("collectonly"):
+        return
+    import time
+
+    import nbtrain as nbt
+    from nbtrain.cli import demo_config
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        r = nbt.train(demo_config().replace(precision="fp32", max_steps=20, eval_fraction=0.0))
+        tps = r.summary["tokens_per_s"]
+    except Exception as e:   # a broken build says so here as well as in the failures above
+        terminalreporter.write_line(f"machine probe failed: {e!r}")
+        return
+    finally:
+        torch.set_num_threads(threads)
+    wall = f"suite {time.time() - _STARTED[0]:.0f} s; " if _STARTED else ""
+    terminalreporter.write_line(f"this machine: {wall}tiny fp32 {tps:,.0f} tok/s (the demo's config, 20 steps, "
+                                f"1 thread; probe {time.perf_counter() - t0:.1f} s)")

@@ -274,7 +274,9 @@ def test_speed_is_a_paired_ratio_with_its_spread_and_a_flip_is_no_ranking(monkey
     # a's timings are all alike: the comparison's floor is the minimum effect; b is judged on its own half-width
     # (the rule's, from both sides' repeats), in the table and in the verdict alike
     assert cmp.noise_floor == pytest.approx(verdicts.MIN_EFFECT)
-    assert v.speed == verdicts.speed(factors, [1.0] * 3)
+    alone = verdicts.speed(factors, [1.0] * 3)   # the same ratios (the unit of the timings does not matter)
+    assert (v.speed.state, v.speed.floor, v.speed.ratio) == (alone.state, pytest.approx(alone.floor),
+                                                            pytest.approx(alone.ratio))
     assert t.loc["b", "noise_floor"] == pytest.approx(v.speed.floor)
     if not min(ratios) < 1 < max(ratios):
         assert v.text.startswith(f"b: {statistics.median(ratios):.2f}x faster (median; {min(ratios):.2f}-"

@@ -15,7 +15,8 @@ import nbtrain as nbt
 
 from .helpers import run_process
 
-REPS = 10
+# Each case in 5 fresh processes (30 took 2 min of the suite; a start-up race shows in the first few).
+REPS = 5
 
 # Each script is the first thing a fresh process does, in the order a notebook does it; it prints OK.
 FRESH = {
