@@ -27,9 +27,9 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/nbtrain demo
 
-# Two workers on two cores (pytest-xdist; a module's tests stay on one worker, see tests/conftest.py), the 25
-# slowest tests listed, and this machine's tiny fp32 tok/s printed beside the suite's time.
-PYTEST_PARALLEL ?= -n 2 --dist loadgroup
+# Two workers on two cores (pytest-xdist; a file's tests stay on one worker, so its module fixtures start once),
+# the 25 slowest tests listed, and this machine's tiny fp32 tok/s printed beside the suite's time.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
 

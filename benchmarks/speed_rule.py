@@ -73,7 +73,7 @@ def run(comparisons: int, seed: int = 0, repeats=(3, 4, 5, 7, 10), ratios=(1.0, 
 
 
 def markdown(res: dict) -> str:
-    ratios = sorted({r["ratio"] for r in res["rows"]}, key=lambda x: (x != 1.0, x))
+    ratios = sorted({r["ratio"] for r in res["rows"]}, key=lambda x: (abs(math.log(x)), x < 1))
     head = ["repeats", "scenario"] + [("A/A ranked" if r == 1.0 else f"{r:.2f}x found") for r in ratios]
     lines = [f"# The speed rule on simulated timings ({res['comparisons_per_cell']:,} comparisons per cell)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from .helpers import Collect, run_process
+from .helpers import Collect, retry_port, run_process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -17,19 +17,7 @@ if WORKERS > 1:
 torch.set_num_threads(max(1, 2 // WORKERS))
 
 
-# Under xdist (--dist loadgroup) a group runs on one worker, so that module-scoped fixtures start once: every
-# module is its own group, but these share the session fixture fsdp_worker_runs (one torchrun start-up), and the
-# tests of these modules are independent start-ups (a kernel, a server, a browser) that spread over the workers.
-SHARED_GROUPS = {"test_fsdp": "fsdp", "test_memory_fsdp": "fsdp"}
-SPREAD = {"test_notebooks", "test_browser", "test_browser_results", "test_distributed", "test_isolation"}
-
-
-@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        group = item.nodeid if module in SPREAD else SHARED_GROUPS.get(module, module)
-        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -78,21 +66,34 @@ def fsdp_worker_runs(tmp_path_factory):
     records and final weights by scenario name, and ``_dir``, the folder they ran in (tests/test_fsdp.py,
     tests/test_memory_fsdp.py)."""
     import os
-    import socket
     import sys
     from pathlib import Path
 
     import torch
 
-    out = tmp_path_factory.mktemp("fsdp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(Path(__file__).with_name("fsdp_worker.py")), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = run_process(cmd, 900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    # Under xdist the two modules that use it may run on two workers at once: the first to get here runs torchrun
+    # into a folder both see (the workers' common temp root), the other waits on the lock and reads what it left.
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / "fsdp-worker-runs"
+    with FileLock(str(out) + ".lock", timeout=1200):
+        if not (out / "DONE").is_file():
+            out.mkdir(exist_ok=True)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+            def start(port):
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                       "127.0.0.1", "--master_port", str(port), str(Path(__file__).with_name("fsdp_worker.py")),
+                       str(out)]
+                proc = run_process(cmd, 900, env=env)
+                return proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:], proc
+
+            ok, output, _ = retry_port(start)
+            assert ok, output
+            (out / "DONE").write_text("")
     runs = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
     runs["_dir"] = out
     return runs

@@ -138,3 +138,33 @@ def execute_notebook(nb, cwd, timeout: float, env=None) -> None:
         except CellTimeoutError as e:
             raise AssertionError(f"{e}\n--- the kernel's Python stacks when it timed out ---\n"
                                  f"{client.stacks[-6000:] or '(none dumped)'}") from None
+
+
+# -- the one transient failure a start-up is retried for: a port taken between choosing it and binding it --------
+PORT_IN_USE = ("address already in use", "eaddrinuse", "errno 98", "is already in use")
+START_ATTEMPTS = 3
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 free now (another process may still take it before it is bound: see retry_port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(text: str) -> bool:
+    """Whether a process's output says it could not bind its port."""
+    text = (text or "").lower()
+    return any(p in text for p in PORT_IN_USE)
+
+
+def retry_port(start, attempts: int = START_ATTEMPTS):
+    """``start(port)`` -> (ok, output, value) with a fresh free port, again (up to ``attempts`` times) only when it
+    failed because that port was taken; returns the last (ok, output, value). Nothing else is retried."""
+    for i in range(attempts):
+        ok, output, value = start(free_port())
+        if ok or not port_in_use(output) or i == attempts - 1:
+            return ok, output, value
+    raise AssertionError("unreachable")

@@ -10,7 +10,7 @@ import pytest
 import nbtrain as nbt
 from nbtrain.engine.launch import launch_command
 
-from .helpers import Collect, execute_notebook, run_process
+from .helpers import execute_notebook, run_process
 
 BASE = dict(model="tiny", subset=64, max_seq_len=48, max_steps=4, eval_fraction=0.0, precision="fp32", lr=1e-3)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -60,17 +60,6 @@ def test_two_processes_with_accumulation(single, tmp_path):
     _assert_same_losses(_run_cli(cmd, tmp_path / "out"), ref)
 
 
-def test_launch_streams_records_to_callbacks(single):
-    _, ref, _ = single
-    seen = Collect()
-    run = nbt.launch(nbt.TrainConfig(**BASE, micro_batch_size=4), num_processes=2, callbacks=[seen])
-    result = run.wait(300)
-    assert result is not None and run.done
-    assert seen.info.precision_used == "fp32" and len(seen.records) == 4 and seen.result is result
-    _assert_same_losses(result.history, ref)
-    assert result.summary["world_size"] == 2 and result.summary["stopped_reason"] == "max_steps"
-
-
 def test_launch_stop_ends_all_workers():
     gate = threading.Event()
 
@@ -91,19 +80,33 @@ def test_launch_stop_ends_all_workers():
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_launch_feeds_dashboard_in_headless_notebook(tmp_path):
-    """nbt.launch with 2 CPU processes drives a LiveDashboard in a notebook executed headless (nbclient)."""
+def test_launch_streams_records_to_callbacks_and_a_dashboard_in_a_headless_notebook(single, tmp_path):
+    """nbt.launch with 2 CPU processes, from a notebook executed headless (nbclient): a plain callback gets the
+    run's start, its 4 records and its result, a LiveDashboard draws them, and the losses equal 1 process x micro 8
+    (one launch serves both: each costs two fresh workers)."""
+    import json
+
     import nbformat
 
+    _, ref, _ = single
     code = (
+        "import json\n"
         "import nbtrain as nbt\n"
+        "class Seen:\n"
+        "    info, records, result = None, [], None\n"
+        "    def on_run_start(self, info): Seen.info = info\n"
+        "    def on_step_end(self, rec): Seen.records.append(rec)\n"
+        "    def on_run_end(self, result): Seen.result = result\n"
         f"cfg = nbt.TrainConfig(**{BASE!r}, micro_batch_size=4)\n"
         "dash = nbt.LiveDashboard()\n"
-        "run = nbt.launch(cfg, num_processes=2, callbacks=[dash])\n"
+        "run = nbt.launch(cfg, num_processes=2, callbacks=[Seen(), dash])\n"
         "result = run.wait(300)\n"
-        "assert result.summary['world_size'] == 2 and len(result.history) == 4\n"
+        "assert result is not None and run.done\n"
+        "assert Seen.info.precision_used == 'fp32' and len(Seen.records) == 4 and Seen.result is result\n"
+        "assert result.summary['world_size'] == 2 and result.summary['stopped_reason'] == 'max_steps'\n"
         "assert len(dash.records) == 4, len(dash.records)\n"
         "print('LAUNCH-OK', dash.mode)\n"
+        "print('HISTORY', json.dumps(result.history[['loss', 'tokens']].to_dict('list')))\n"
     )
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
     execute_notebook(nb, tmp_path, 400)
@@ -112,3 +115,5 @@ def test_launch_feeds_dashboard_in_headless_notebook(tmp_path):
     assert "LAUNCH-OK html" in text
     assert any("plotly" in str(o.get("data", {})) for o in outputs if o.output_type in ("display_data",
                                                                                         "update_display_data"))
+    hist = json.loads(next(line for line in text.splitlines() if line.startswith("HISTORY "))[len("HISTORY "):])
+    _assert_same_losses(pd.DataFrame(hist), ref)

@@ -7,7 +7,6 @@ here. Launchers (torchrun CLI, two nodes on loopback, nbt.launch + Stop) have th
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import torch
 import nbtrain as nbt
 from nbtrain.engine.checkpoint import CheckpointError
 
-from .helpers import communicate, run_process
+from .helpers import communicate, retry_port, run_process
 
 pytestmark = pytest.mark.slow   # each start-up of 2 processes is ~15 s on 2 cores
 
@@ -28,17 +27,15 @@ BASE = dict(model="tiny", subset=64, max_seq_len=48, max_steps=4, eval_fraction=
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(*args, nproc=2, timeout=600, **popen):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *map(str, args)]
-    proc = run_process(cmd, timeout, env=ENV, **popen)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    def start(port):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(port), *map(str, args)]
+        proc = run_process(cmd, timeout, env=ENV, **popen)
+        return proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:], proc
+
+    ok, output, proc = retry_port(start)
+    assert ok, output
     return proc
 
 
@@ -188,15 +185,19 @@ def test_two_nodes_on_loopback_save_a_reloadable_adapter(tmp_path, single):
 
     cfg = tmp_path / "c.yaml"
     nbt.TrainConfig(**BASE, micro_batch_size=4, method="lora", lora_dropout=0.0, sharding="fsdp").to_yaml(cfg)
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-               "-m", "nbtrain", "train", str(cfg), "--output-dir", str(tmp_path / f"out{node}")]
-        procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [communicate(p, 600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    def start(port):
+        procs = []
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                   "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   "-m", "nbtrain", "train", str(cfg), "--output-dir", str(tmp_path / f"out{node}")]
+            procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outs = [communicate(p, 600) for p in procs]
+        return [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs), None
+
+    ok, output, _ = retry_port(start)
+    assert ok, output
     out = tmp_path / "out0"
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
     close(pd.read_csv(out / "history.csv")["loss"].tolist(), single["lora"]["loss"])

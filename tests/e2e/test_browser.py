@@ -23,7 +23,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from ..helpers import START_ATTEMPTS, free_port, port_in_use
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = "01_quickstart.ipynb"
@@ -85,18 +86,12 @@ def _transient(e: BaseException) -> bool:
     return isinstance(e, TRANSIENT_CONNECTION_ERRORS)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class JupyterServer:
     """``jupyter lab`` or ``jupyter notebook`` on 127.0.0.1, everything it writes under ``tmp``."""
 
     def __init__(self, app: str, tmp: Path):
         self.app, self.tmp = app, tmp
-        self.port, self.token = _free_port(), secrets.token_hex(16)
+        self.port, self.token = free_port(), secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
         self.root = tmp / "work"
         self.root.mkdir()
@@ -113,7 +108,8 @@ class JupyterServer:
             "LabApp": {"news_url": None, "check_for_updates_class": "jupyterlab.NeverCheckForUpdate",
                        "extension_manager": "readonly"},
         }
-        (dirs["config"] / "jupyter_server_config.json").write_text(json.dumps(config, indent=1))
+        self._config, self._config_file = config, dirs["config"] / "jupyter_server_config.json"
+        self._config_file.write_text(json.dumps(config, indent=1))
         for plugin, values in SETTINGS.items():
             f = dirs["settings"] / f"{plugin}.jupyterlab-settings"
             f.parent.mkdir(parents=True, exist_ok=True)
@@ -136,6 +132,20 @@ class JupyterServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120) -> None:
+        """Start the server and wait until it answers; a port taken by another process between choosing and
+        binding it is the one failure retried (with a new port), up to START_ATTEMPTS times."""
+        for attempt in range(START_ATTEMPTS):
+            try:
+                return self._start(timeout)
+            except RuntimeError as e:
+                if not port_in_use(str(e)) or attempt == START_ATTEMPTS - 1:
+                    raise
+                self.port = free_port()
+                self.base = f"http://127.0.0.1:{self.port}"
+                self._config["ServerApp"]["port"] = self.port
+                self._config_file.write_text(json.dumps(self._config, indent=1))
+
+    def _start(self, timeout: float) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "jupyter", self.app], env=self.env, cwd=self.root,
                                      stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -150,7 +160,8 @@ class JupyterServer:
                     raise RuntimeError(f"jupyter {self.app}: GET /api/status failed ({e!r}):\n"
                                        f"{self.log.read_text()}") from e
                 time.sleep(RETRY_PAUSE_S)
-        raise RuntimeError(f"jupyter {self.app} did not answer in {timeout} s:\n{self.log.read_text()}")
+        self.proc.kill()
+        raise RuntimeError(f"jupyter {self.app} did not answer in {timeout} s:\n{self.log.read_text()[-4000:]}")
 
     def api(self, method: str, path: str):
         req = urllib.request.Request(f"{self.base}{path}", method=method,

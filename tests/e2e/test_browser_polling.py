@@ -12,7 +12,8 @@ import urllib.error
 
 import pytest
 
-from .test_browser import JupyterServer, _free_port, _transient, _wait_for_kernel
+from ..helpers import free_port
+from .test_browser import JupyterServer, _transient, _wait_for_kernel
 
 IDLE = [{"id": "k1", "execution_state": "idle", "connections": 1}]
 
@@ -80,7 +81,7 @@ def test_retries_end_at_the_deadline_with_the_last_error(fake):
         _wait_for_kernel(srv, timeout=1.5)
     assert e.value.code == 500 and 1.5 <= time.monotonic() - t0 < 10
     assert any("still failing at the deadline" in n for n in e.value.__notes__)
-    srv.base = f"http://127.0.0.1:{_free_port()}"            # nobody listening: refused, retried, then raised
+    srv.base = f"http://127.0.0.1:{free_port()}"            # nobody listening: refused, retried, then raised
     with pytest.raises(urllib.error.URLError) as e:
         srv.poll_api("GET", "/api/kernels", time.monotonic() + 1)
     assert isinstance(e.value.reason, ConnectionRefusedError)
@@ -100,3 +101,22 @@ def test_what_counts_as_transient():
     assert not _transient(urllib.error.URLError(TimeoutError("timed out")))
     assert not _transient(TimeoutError()) and not _transient(json.JSONDecodeError("x", "", 0))
     assert not _transient(urllib.error.URLError(OSError(-2, "Name or service not known")))
+
+
+def test_only_a_taken_port_is_retried_and_with_a_new_port():
+    from ..helpers import START_ATTEMPTS, retry_port
+
+    ports = []
+
+    def taken_once(port):
+        ports.append(port)
+        return (len(ports) > 1, "OSError: [Errno 98] Address already in use" if len(ports) == 1 else "ok", port)
+
+    ok, _, port = retry_port(taken_once)
+    assert ok and len(ports) == 2 and port == ports[-1]
+    other = []
+    ok, out, _ = retry_port(lambda p: (other.append(p) or False, "AssertionError: losses differ", None))
+    assert not ok and len(other) == 1 and "losses differ" in out      # a real failure is never retried
+    always = []
+    ok, out, _ = retry_port(lambda p: (always.append(p) or False, "EADDRINUSE", None))
+    assert not ok and len(always) == START_ATTEMPTS                     # and a taken port only so often
