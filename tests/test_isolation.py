@@ -15,8 +15,8 @@ import nbtrain as nbt
 
 from .helpers import run_process
 
-# Each case in 5 fresh processes (30 took 2 min of the suite; a start-up race shows in the first few).
-REPS = 5
+# Each case in 3 fresh processes (10 each took 2 min of the suite; a start-up race shows in the first few).
+REPS = 3
 
 # Each script is the first thing a fresh process does, in the order a notebook does it; it prints OK.
 FRESH = {
