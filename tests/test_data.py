@@ -8,7 +8,6 @@ import json
 import math
 import re
 import string
-import time
 
 import pytest
 import torch
@@ -424,10 +423,8 @@ def test_unreachable_dataset_id_fails_fast_and_suggests_a_local_path(monkeypatch
 
     monkeypatch.setattr(loading.hub, "hub_reachable", lambda timeout=3.0: False)
     before = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
-    t0 = time.perf_counter()
     with pytest.raises(DataError, match=r"'someone/no-such-dataset'.*offline.*local path"):
         load_data(cfg("someone/no-such-dataset"), tok)
-    assert time.perf_counter() - t0 < 10
     assert (datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE) == before
 
 
@@ -444,14 +441,12 @@ def test_python_docs_builtin_is_deterministic_paragraphs():
     assert set(builtin_names()) == {"python-docs", "python-docs-topics", "python-docs-qa", "digits"}   # digits: images
 
 
-def test_builtin_load_is_fast(tok):
+def test_builtin_load_from_a_cold_cache(tok):
     from nbtrain.data import builtin
 
     for cached in (builtin._topic_paragraphs, builtin._docs, builtin._topics):
-        cached.cache_clear()   # time the cold path
-    t0 = time.perf_counter()
+        cached.cache_clear()   # the cold path (how long it takes is not asserted: no test asserts on a time)
     b = load_data(TrainConfig(), tok)
-    assert time.perf_counter() - t0 < 2.0
     assert len(b.train) > 500 and 0 < len(b.eval) < len(b.train) / 10
     assert b.source.startswith("builtin:python-docs")
     assert max(len(ex["input_ids"]) for ex in b.train) == 128

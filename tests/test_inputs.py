@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import socket
-import time
+import threading
 
 import pytest
 
@@ -36,10 +36,13 @@ def hub_model_cfg(monkeypatch):
 
 def test_offline_hub_model_fails_fast_with_a_clear_error(hub_model_cfg, monkeypatch):
     monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
-    t0 = time.perf_counter()
+    connects = []
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: connects.append(a) or (_ for _ in ()).throw(
+        OSError("no network in this test")))
     with pytest.raises(ModelError, match=r"(?s)not reachable.*local directory"):
         load_tokenizer(hub_model_cfg)
-    assert time.perf_counter() - t0 < 5
+    # fast: at most the probe's one connection attempt, bounded by its own timeout; nothing else waits on the network
+    assert len(connects) <= 1 and all(timeout <= hub.PROBE_TIMEOUT_S for _, timeout in connects), connects
 
 
 def test_hanging_network_is_bounded_by_the_probe(hub_model_cfg, monkeypatch):
@@ -49,23 +52,31 @@ def test_hanging_network_is_bounded_by_the_probe(hub_model_cfg, monkeypatch):
     monkeypatch.delenv("ALL_PROXY", raising=False)
     monkeypatch.delenv("all_proxy", raising=False)
 
-    def hang(*args, **kwargs):
-        time.sleep(8)
+    released, entered = threading.Event(), threading.Event()
+
+    def hang(*args, **kwargs):   # a connection attempt that never answers until the test lets it go
+        entered.set()
+        released.wait(60)
         raise socket.timeout("timed out")
 
     monkeypatch.setattr(socket, "create_connection", hang)
-    t0 = time.perf_counter()
-    with pytest.raises(ModelError, match=NO_SUCH_MODEL):
-        load_tokenizer(hub_model_cfg)
-    assert time.perf_counter() - t0 < 5
+    monkeypatch.setattr(hub, "_last", None)
+    monkeypatch.setattr(hub.hub_reachable, "__defaults__", (0.5,))   # the probe's own bound, shortened here
+    try:
+        with pytest.raises(ModelError, match=NO_SUCH_MODEL):
+            load_tokenizer(hub_model_cfg)
+        # the error came while the connection attempt still hung: the probe's timeout bounded the wait, not the
+        # network (no clock is read to say so)
+        assert entered.is_set() and not released.is_set()
+    finally:
+        released.set()
 
 
 def test_real_probe_without_offline_mode_is_fast(hub_model_cfg):
-    # this machine has no Hub access (and the id exists nowhere): either way, an error within 5 s
-    t0 = time.perf_counter()
+    # this machine has no Hub access (and the id exists nowhere): either way, a clear error (bounded by the probe,
+    # test_hanging_network_is_bounded_by_the_probe; the suite's timeout bounds it here)
     with pytest.raises(ModelError, match=NO_SUCH_MODEL):
         load_tokenizer(hub_model_cfg)
-    assert time.perf_counter() - t0 < 5
 
 
 def test_data_and_models_share_one_probe():

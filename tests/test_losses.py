@@ -273,12 +273,15 @@ def test_real_compile_with_chunked_loss_trains_like_eager():
     """torch.compile (inductor, ~40 s to compile on 2 cores) of the decoder under the chunked loss."""
     cfg = nbt.TrainConfig(model="tiny", subset=48, max_seq_len=40, max_steps=3, precision="fp32",
                           eval_fraction=0.0, lr=1e-3, chunked_loss=True)
+    from torch._dynamo.utils import counters
+
     eager = nbt.train(cfg)
+    counters.clear()
     compiled = nbt.train(cfg.replace(compile=True))
     for a, b in zip(eager.history.loss, compiled.history.loss):
         assert b == pytest.approx(a, rel=1e-5)
-    # the first step pays for compilation; the later ones do not
-    assert compiled.history.step_time_s.iloc[0] > 5 * compiled.history.step_time_s.iloc[1:].max()
+    # dynamo compiled graphs for it (counted, not timed: no test asserts on a time)
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
     # the model handed back runs eagerly again, under its own parameter names
     layers = compiled.model.model.layers
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in layers)

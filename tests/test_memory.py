@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -147,12 +146,15 @@ def test_peak_matches_a_traced_training_step(method, precision, ckpt, accum, bat
 # ---------------------------------------------------------------------------------------------------------------
 # Behaviour
 # ---------------------------------------------------------------------------------------------------------------
-def test_estimate_is_instant():
-    estimate_memory(_cfg(method="lora"), device="cpu", device_total_gib=64)    # imports and caches warm
-    t0 = time.perf_counter()
+def test_estimate_trains_nothing(monkeypatch):
+    """An estimate is arithmetic on the model's shapes: it runs no forward or backward (how long it takes is not
+    asserted: no test asserts on a time)."""
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "backward", lambda *a, **k: calls.append("backward"))
     for kw in (dict(micro_batch_size=3), dict(max_seq_len=200, method="lora"), dict(gradient_checkpointing=True)):
-        estimate_memory(_cfg(**kw), device="cpu", device_total_gib=64)
-    assert (time.perf_counter() - t0) / 3 < 1.0
+        est = estimate_memory(_cfg(**kw), device="cpu", device_total_gib=64)
+        assert est.total_gib > 0
+    assert calls == []
 
 
 def test_monotonic():

@@ -7,7 +7,6 @@ import json
 import runpy
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -88,10 +87,7 @@ def _logits(model, batch):
 # -- the tiny preset and its tokenizer ---------------------------------------------------------------
 
 def test_tiny_builds_fast_small_and_without_dropout(tok):
-    _build(_cfg(), tok)  # first build pays for imports
-    t = time.perf_counter()
     model = _build(_cfg(), tok)
-    assert time.perf_counter() - t < 3.0
     trainable, total = count_params(model)
     assert trainable == total == sum(p.numel() for p in model.parameters())
     assert 500_000 < total < 5_000_000
