@@ -168,3 +168,17 @@ def retry_port(start, attempts: int = START_ATTEMPTS):
         if ok or not port_in_use(output) or i == attempts - 1:
             return ok, output, value
     raise AssertionError("unreachable")
+
+
+def load_benchmark(name: str):
+    """The module benchmarks/<name>.py (benchmarks/ is no package), registered under ``name``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "benchmarks"
+                                                  / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -5,27 +5,21 @@ simulation and the full table, benchmarks/results/speed_rule_sim.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nbtrain import verdicts as V
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import load_benchmark
+
 N = 3000   # comparisons per cell: a rate of 1% is then known within about ±0.2%
 
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("speed_rule", ROOT / "benchmarks" / "speed_rule.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["speed_rule"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("speed_rule")
 
 
 def share(sim, repeats, ratio, scenario, seed):
