@@ -50,7 +50,7 @@ def expected_pow2_labels(values):
 def test_scale_axis_labels_powers_of_two_in_full():
     recs = make_records(30, skip={5, 12}, inf_grad={5, 12})          # 65,536 -> 32,768 -> 16,384
     fig = F.run_figure(recs, None, make_info())
-    ax = yaxis(fig, F.PANEL_ROWS["scale"])
+    ax = yaxis(fig, *F.PANEL_CELLS["scale"])
     assert ax.type == "log" and ax.tickmode == "array"           # only these labels, no crowded minor ones
     want = expected_pow2_labels([r.scale for r in recs])
     assert want == ["16,384", "32,768", "65,536"]
@@ -81,12 +81,12 @@ def test_live_figure_relabels_the_scale_axis_when_the_scale_drops():
     for r in recs[:20]:
         dash.on_step_end(r)
     dash.refresh()
-    assert "65,536" in yaxis(dash.figure, F.PANEL_ROWS["scale"]).ticktext
+    assert "65,536" in yaxis(dash.figure, *F.PANEL_CELLS["scale"]).ticktext
     for r in recs[20:]:
         dash.on_step_end(r)
     dash.refresh()          # an in-place update, not a rebuild: the ticks must follow the data
     assert set(expected_pow2_labels([r.scale for r in recs])) <= set(
-        yaxis(dash.figure, F.PANEL_ROWS["scale"]).ticktext)
+        yaxis(dash.figure, *F.PANEL_CELLS["scale"]).ticktext)
 
 
 def _note(fig):
@@ -96,21 +96,23 @@ def _note(fig):
 
 
 def test_no_scaler_note_sits_where_it_hides_no_data():
-    # Mixed: the fp16 line fills the panel, so the note goes above its plot area, away from the title.
-    fp32 = (make_records(20, seed=1, scaler=False), None, make_info("fp32", scaler=False))
-    fig = F.runs_figure({"fp32": fp32, "fp16": (make_records(20, seed=2), None, make_info())})
+    # Mixed: the fp16 line fills the panel, so the note goes above its plot area, as the second line of the
+    # panel's own title: one annotation, so the two cannot overprint, however many runs it names (issue 35).
+    four = {p: (make_records(20, seed=k, scaler=False), None, make_info(p, scaler=False))
+            for k, p in enumerate(("fp32", "bf16", "bf16-pure"))}
+    fig = F.runs_figure({"fp32": four["fp32"], "fp16": (make_records(20, seed=2), None, make_info()),
+                         "bf16": four["bf16"], "bf16-pure": four["bf16-pure"]})
     note = _note(fig)
-    sp = fig.get_subplot(F.PANEL_ROWS["scale"], 1)
-    assert note.yref == f"{sp.yaxis.plotly_name.replace('axis', '')} domain"
-    assert note.y >= 1 and note.yanchor == "bottom"                    # above the data area
-    assert note.x == 1 and note.xanchor == "right"
-    title = next(a for a in fig.layout.annotations if a.text == F.SCALE_TITLE)
-    assert title.xanchor == "left" and title.x == pytest.approx(sp.xaxis.domain[0])
-    assert "fp32" in note.text and "fp16" not in note.text
+    sp = fig.get_subplot(*F.PANEL_CELLS["scale"])
+    assert note.text.startswith(F.SCALE_TITLE + "<br>") and note.yanchor == "bottom"   # above the data area
+    assert note.y == pytest.approx(sp.yaxis.domain[1])
+    assert sum(F.SCALE_TITLE in (a.text or "") for a in fig.layout.annotations) == 1
+    assert "fp32, bf16, bf16-pure" in note.text and "fp16" not in note.text.replace("fp16-", "")
     # Same in the comparison figure.
     cmp = F.compare_figure({"fp32": frame(make_records(20, scaler=False)), "fp16": frame(make_records(20))},
                            infos={"fp32": make_info("fp32", scaler=False), "fp16": make_info()})
-    assert _note(cmp).y >= 1 and _note(cmp).yanchor == "bottom"
+    assert _note(cmp).yanchor == "bottom" and _note(cmp).text.startswith(F.SCALE_TITLE + "<br>")
+    assert _note(cmp).y == pytest.approx(cmp.get_subplot(4, 1).yaxis.domain[1])
     # A run without a scaler: an empty panel that says why, and no "loss scale" legend entry.
     solo = F.run_figure(make_records(10, scaler=False), None, make_info("bf16", scaler=False))
     assert _note(solo).text == "no GradScaler (bf16 does not need one)"
@@ -124,7 +126,7 @@ def test_no_scaler_note_sits_where_it_hides_no_data():
 # ------------------------------------------------------------------------------------------------
 def test_every_panel_y_axis_has_a_title_with_its_unit():
     fig = F.run_figure(make_records(10), None, make_info())
-    titles = [yaxis(fig, F.PANEL_ROWS[p]).title.text for p in ("loss", "grad_norm", "scale", "memory")]
+    titles = [yaxis(fig, *F.PANEL_CELLS[p]).title.text for p in ("loss", "grad_norm", "scale", "memory")]
     assert titles == ["loss (nats/token)", "grad norm (L2)", "loss scale", "memory (GiB)"]
 
     class Cls:

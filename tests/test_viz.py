@@ -186,7 +186,7 @@ def test_overlay_and_compare_figures():
     assert la.line.color != lb.line.color
     assert_same(lb.y, col(b, "loss"))
     assert_same(F.find_trace(fig, "scale", "skipped", run="fp16").x, [4])
-    assert "no GradScaler in fp32 (it does not need one)" in [x.text for x in fig.layout.annotations
+    assert "no GradScaler in fp32 (not needed)" in [x.text for x in fig.layout.annotations
                                                             if x.name == "no_scaler"][0]
 
     summaries = {"fp32": {"tokens_per_s": 100.0, "peak_vram_gib": None}, "fp16": {"tokens_per_s": 250.0}}
@@ -204,8 +204,11 @@ def test_overlay_and_compare_figures():
 
 
 def test_add_run_traces_on_a_custom_grid():
-    fig = F.make_run_layout()
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=4, cols=1)
     added = F.add_run_traces(fig, make_records(5), name="x", rows={"loss": 1, "scale": 3})
+    assert {t.yaxis for t in added} == {"y", "y3"}
     assert {t.meta["panel"] for t in added} == {"loss", "scale"}
     assert len(fig.data) == len(added)
 

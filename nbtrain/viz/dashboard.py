@@ -48,6 +48,7 @@ from . import figures
 from .text import figure_title
 from .tracker import Tracker
 from .views import HtmlView, TextView, WidgetView
+from .widget import live_figure_widget
 
 ENV_VAR = "NBTRAIN_DASHBOARD"
 MODES = ("widget", "html", "text")
@@ -152,9 +153,7 @@ class LiveDashboard:
         self._scale_axis: Optional[dict] = None   # the loss-scale ticks last sent to the figure
         self._draw_lock = threading.Lock()    # one redraw at a time
         if self.mode == "widget":
-            import plotly.graph_objects as go
-
-            self.figure = go.FigureWidget(figures.make_run_layout())
+            self.figure = live_figure_widget(figures.make_run_layout())
             self.view = WidgetView(self.figure, self.display, static_plotlyjs)
         else:
             self.figure = figures.make_run_layout()
@@ -247,10 +246,8 @@ class LiveDashboard:
         if self.view.retired:
             # The widget's live view was replaced by a static copy; messages to it would reach that dead
             # view (see the module doc). A new widget, complete before anyone shows it, takes its place.
-            import plotly.graph_objects as go
-
             self.figure = self.view.replace_figure(
-                go.FigureWidget(figures.runs_figure(snap, smoothing=self.smoothing)))
+                live_figure_widget(figures.runs_figure(snap, smoothing=self.smoothing)))
             self._scale_axis = axis
             return True
         fig = self.figure
@@ -278,7 +275,7 @@ class LiveDashboard:
                 tr.x = new.x
                 tr.y = new.y
             if axis != self._scale_axis:   # a skipped step halved the scale: label the new power of two
-                yaxis = fig.get_subplot(figures.PANEL_ROWS["scale"], 1).yaxis
+                yaxis = fig.get_subplot(*figures.PANEL_CELLS["scale"]).yaxis
                 for key, value in axis.items():   # item by item: update() would open a batch of its own
                     yaxis[key] = value
                 self._scale_axis = axis

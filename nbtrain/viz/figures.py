@@ -18,7 +18,9 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 PANELS: tuple[str, ...] = ("loss", "grad_norm", "scale", "memory")
-PANEL_ROWS: dict[str, int] = {p: i + 1 for i, p in enumerate(PANELS)}
+# Where each panel sits in a run figure's 2 x 2 grid (row, col): four panels side by side in pairs fit one laptop
+# screen under the Panel's status line; the difference panel of overlaid runs spans a third row (DIFF_ROW).
+PANEL_CELLS: dict[str, tuple[int, int]] = {"loss": (1, 1), "grad_norm": (1, 2), "scale": (2, 1), "memory": (2, 2)}
 
 _FLOAT_COLS = ("step", "epoch", "tokens", "loss", "lr", "grad_norm", "scale", "vram_allocated_gib",
                "vram_reserved_gib", "vram_peak_gib", "host_rss_gib", "host_tensors_gib", "step_time_s",
@@ -249,7 +251,8 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
     specs: list[dict] = []
 
     def add(panel, kind, label, *, legend=True, **kw):
-        specs.append(dict(row=PANEL_ROWS[panel], type="scatter", name=prefix + label,
+        row, cell_col = PANEL_CELLS[panel]
+        specs.append(dict(row=row, col=cell_col, type="scatter", name=prefix + label,
                           meta={"run": name, "panel": panel, "kind": kind},
                           legendgroup=name if overlay else kind,
                           showlegend=legend, **kw))
@@ -350,7 +353,7 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
 
 
 def _spec_trace(spec: dict) -> go.Scatter:
-    kw = {k: v for k, v in spec.items() if k not in ("row", "type")}
+    kw = {k: v for k, v in spec.items() if k not in ("row", "col", "type")}
     return go.Scatter(**kw)
 
 
@@ -358,21 +361,23 @@ def add_run_traces(fig: go.Figure, history: Any, eval_history: Any = None, info:
                    name: str = "run", color: Optional[str] = None, overlay: bool = False,
                    smoothing: float = 0.9, max_grad_norm: Optional[float] = None,
                    rows: Optional[Mapping[str, int]] = None, col: int = 1) -> list[go.Scatter]:
-    """Add one run's traces to a figure made by :func:`make_run_layout` (or any 4-row subplot grid).
+    """Add one run's traces to a figure made by :func:`make_run_layout` (or any subplot grid).
 
-    ``rows`` maps panel name to subplot row (default: loss 1, grad_norm 2, scale 3, memory 4); a
-    panel missing from ``rows`` is left out. Returns the traces added.
+    Without ``rows`` each panel goes to its cell of the run layout (``PANEL_CELLS``); ``rows`` maps panel name to
+    a row of column ``col`` of another grid, and a panel missing from it is left out. Returns the traces added.
     """
-    rows = dict(PANEL_ROWS if rows is None else rows)
-    inv = {v: k for k, v in PANEL_ROWS.items()}
     added = []
     for spec in trace_specs(history, eval_history, info, name=name, color=color, overlay=overlay,
                             smoothing=smoothing, max_grad_norm=max_grad_norm):
-        panel = inv[spec["row"]]
-        if panel not in rows:
+        panel = spec["meta"]["panel"]
+        if rows is None:
+            where = PANEL_CELLS[panel]
+        elif panel in rows:
+            where = (rows[panel], col)
+        else:
             continue
         tr = _spec_trace(spec)
-        fig.add_trace(tr, row=rows[panel], col=col)
+        fig.add_trace(tr, row=where[0], col=where[1])
         added.append(fig.data[-1])
     return added
 
@@ -388,27 +393,41 @@ def _axis_titles(fig: go.Figure, titles: Mapping[tuple[int, int], str]) -> None:
         fig.update_yaxes(title_text=text, title_font=dict(size=12), automargin=True, row=row, col=col)
 
 
-DIFF_ROW = len(PANELS) + 1   # the difference panel, under the four, when runs are overlaid
-DIFF_HEIGHT = 200
+DIFF_ROW = 3   # the difference panel of overlaid runs: a third row under the 2 x 2 grid, both columns wide
+DIFF_HEIGHT = 150
+# Height of the 2 x 2 grid: with the Panel's status line above it, it fits the output area of a 1440 x 900
+# JupyterLab window (about 780 px of notebook), and so does the grid with its difference row.
+RUN_HEIGHT = 500
 
 
-def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = 820,
+def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEIGHT,
                     loss_unit: str = "nats/token", difference: Optional[str] = None) -> go.Figure:
-    """An empty 4-panel figure (loss, grad norm, loss scale, memory) sharing the step axis, each y axis
-    titled with its unit; with ``difference`` (a reference run's name) a fifth panel below them holds each
-    run's loss minus that run's, per step."""
-    rows = len(PANELS) + (difference is not None)
+    """An empty 4-panel figure (loss and grad norm, then loss scale and memory, in a 2 x 2 grid) sharing the step
+    axis, each y axis titled with its unit; with ``difference`` (a reference run's name) a panel below them, both
+    columns wide, holds each run's loss minus that run's, per step."""
     titles = ["loss", "gradient norm (unscaled, before clipping)", SCALE_TITLE, memory_title]
+    specs = [[{}, {}], [{}, {}]]
+    row_heights = None
     if difference is not None:
         titles.append(_diff_title(difference, None))
+        specs.append([{"colspan": 2}, None])
+        row_heights = [1.0, 1.0, 0.7]
         height += DIFF_HEIGHT
-    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.06 * 4 / rows,
-                        subplot_titles=titles)
-    fig.update_yaxes(type="log", row=2, col=1)
-    fig.update_yaxes(row=3, col=1, **scale_axis([]))
-    _axis_titles(fig, {(1, 1): f"loss ({loss_unit})", (2, 1): "grad norm (L2)", (3, 1): "loss scale",
-                       (4, 1): "memory (GiB)", **({(DIFF_ROW, 1): "Δ loss (nats)"} if difference else {})})
-    fig.update_xaxes(title_text="optimizer step", row=rows, col=1)
+    rows = len(specs)
+    # vertical spacing in pixels, whatever the height: room for a two-line panel title over the next row
+    fig = make_subplots(rows=rows, cols=2, specs=specs, shared_xaxes="all", subplot_titles=titles,
+                        vertical_spacing=72 / height, horizontal_spacing=0.11, row_heights=row_heights)
+    r, c = PANEL_CELLS["grad_norm"]
+    fig.update_yaxes(type="log", row=r, col=c)
+    fig.update_yaxes(row=PANEL_CELLS["scale"][0], col=PANEL_CELLS["scale"][1], **scale_axis([]))
+    _axis_titles(fig, {PANEL_CELLS["loss"]: f"loss ({loss_unit})", PANEL_CELLS["grad_norm"]: "grad norm (L2)",
+                       PANEL_CELLS["scale"]: "loss scale", PANEL_CELLS["memory"]: "memory (GiB)",
+                       **({(DIFF_ROW, 1): "Δ loss (nats)"} if difference else {})})
+    # every panel shows its step ticks (a shared axis shows them on the bottom row only otherwise); the bottom
+    # row names the axis
+    fig.update_xaxes(showticklabels=True)
+    for col in ((1,) if difference is not None else (1, 2)):
+        fig.update_xaxes(title_text="optimizer step", row=rows, col=col)
     # uirevision keeps the user's zoom across live redraws.
     fig.update_layout(height=height, margin=dict(l=70, r=20, t=60, b=50), hovermode="closest",
                       uirevision="nbtrain", legend=dict(groupclick="togglegroup"),
@@ -458,19 +477,18 @@ def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int, col: in
                            font=dict(size=13, color="#555"), name="no_scaler")
         return
     names = [n for n, _ in without]
-    if precs and set(precs) != set(names):
-        who, verb = "/".join(precs), ("do" if len(precs) > 1 else "does")
-    else:
-        who, verb = ("they", "do") if len(names) > 1 else ("it", "does")
-    text = "no GradScaler in " + html.escape(", ".join(names)) + f" ({who} {verb} not need one)"
-    # Above the plot area, right-aligned: the other runs' scale lines fill the panel itself.
-    fig.add_annotation(text=text, xref=f"{x} domain", yref=f"{y} domain", x=1, y=1, xanchor="right",
-                       yanchor="bottom", showarrow=False, font=dict(size=12, color="#555"), name="no_scaler")
-    # The panel title moves to the left edge, so it and the right-aligned note do not meet.
-    left = float(sp.xaxis.domain[0])
+    # short: it must fit one half-width panel (precisions that need none: said once, "not needed")
+    text = "no GradScaler in " + html.escape(", ".join(names)) + " (not needed)"
+    # The other runs' scale lines fill the panel, and beside the panel's title a note of four names overprints
+    # it in a half-width panel: the note is the title's second line instead, above the plot area (nothing
+    # drawn there), and the annotation keeps its name so that it can be found.
     for a in fig.layout.annotations:
         if a.text == SCALE_TITLE and a.xref == "paper":
-            a.update(x=left, xanchor="left")
+            a.update(text=f"{SCALE_TITLE}<br><span style='font-size:11px;color:#555'>{text}</span>",
+                     name="no_scaler")
+            return
+    fig.add_annotation(text=text, xref=f"{x} domain", yref=f"{y} domain", x=0, y=1, xanchor="left",
+                       yanchor="bottom", showarrow=False, font=dict(size=12, color="#555"), name="no_scaler")
 
 
 def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optional[str] = None,
@@ -497,12 +515,12 @@ def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optio
     for k, (name, (c, e, i)) in enumerate(norm.items()):
         palette[name] = (colors or {}).get(name) or _PALETTE[k % len(_PALETTE)]
         for spec in trace_specs(c, e, i, name=name, color=palette[name], overlay=overlay, smoothing=smoothing):
-            fig.add_trace(_spec_trace(spec), row=spec["row"], col=1)
+            fig.add_trace(_spec_trace(spec), row=spec["row"], col=spec["col"])
     if overlay:   # last, so that the runs' own traces keep the order trace_specs gives them (live updates)
         for tr in live_difference_traces(norm, palette):
             fig.add_trace(tr, row=DIFF_ROW, col=1)
-    fig.update_yaxes(row=PANEL_ROWS["scale"], col=1, **runs_scale_axis(norm))
-    _no_scaler_note(fig, norm, PANEL_ROWS["scale"])
+    fig.update_yaxes(row=PANEL_CELLS["scale"][0], col=PANEL_CELLS["scale"][1], **runs_scale_axis(norm))
+    _no_scaler_note(fig, norm, *PANEL_CELLS["scale"])
     return set_title(fig, title)
 
 

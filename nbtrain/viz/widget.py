@@ -1,0 +1,67 @@
+"""The live figure widget: plotly's ``FigureWidget`` without its merging of the front end's computed defaults.
+
+After every restyle, plotly.js sends back each trace's and the layout's "deltas": the values it computed
+that Python did not set. ``BaseFigureWidget`` stores them and then deletes from the Python figure every
+property the deltas also name (``_remove_overlapping_props``), and tells the front end to delete it too.
+For the dashboard's figures that is wrong twice over (measured in JupyterLab with plotly 7.1):
+
+* a trace whose y is all NaN (the loss scale of a run without GradScaler) comes back with its x as a typed
+  array that the comm serialises as an index-keyed dict; the merge recurses into the Python x, a numpy
+  array, and raises ``ValueError: The truth value of an array ... is ambiguous`` in the kernel, once per
+  redraw (44 times in one Panel session);
+* a property the front end echoes in another spelling (the clipping line's y ``[1.0, 1.0]`` comes back as
+  ``[1, 1]``) is popped from the trace, and the front end drops it too: lines lost their x and were drawn at
+  0, 1, 2, ... instead of at their steps.
+
+nbtrain sets every property it draws, so the computed defaults are not needed on the Python side. The
+deltas are acknowledged (plotly's edit bookkeeping, which ``batch_update`` and change callbacks wait on,
+is completed exactly as plotly does it) and otherwise dropped: no property is ever removed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=1)
+def _widget_class():
+    # Built on first use: importing plotly's FigureWidget needs anywidget and ipywidgets, which a script or a
+    # text-mode dashboard never loads.
+    import plotly.graph_objects as go
+    from traitlets import observe
+
+    class LiveFigureWidget(go.FigureWidget):
+        """A ``FigureWidget`` that keeps every property Python set (see the module doc)."""
+
+        @observe("_js2py_traceDeltas")
+        def _handler_js2py_traceDeltas(self, change):
+            msg = change["new"]
+            if not msg:
+                return
+            if msg.get("trace_edit_id") == self._last_trace_edit_id:
+                self._trace_edit_in_process = False
+                self._run_waiting_callbacks()
+            self._js2py_traceDeltas = None
+
+        @observe("_js2py_layoutDelta")
+        def _handler_js2py_layoutDelta(self, change):
+            msg = change["new"]
+            if not msg:
+                return
+            if msg.get("layout_edit_id") == self._last_layout_edit_id:
+                self._layout_edit_in_process = False
+                self._run_waiting_callbacks()
+            self._js2py_layoutDelta = None
+
+        def _run_waiting_callbacks(self) -> None:
+            # what plotly runs once neither a trace nor a layout edit is pending (waiting_edit_callbacks)
+            if not self._trace_edit_in_process and not self._layout_edit_in_process:
+                while self._waiting_edit_callbacks:
+                    self._waiting_edit_callbacks.pop()()
+
+    return LiveFigureWidget
+
+
+def live_figure_widget(figure=None):
+    """A :class:`LiveFigureWidget` of ``figure`` (a ``go.Figure`` or its dict; None: empty)."""
+    return _widget_class()(figure)
