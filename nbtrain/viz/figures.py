@@ -252,10 +252,9 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
 
     def add(panel, kind, label, *, legend=True, **kw):
         row, cell_col = PANEL_CELLS[panel]
+        kw.setdefault("legendgroup", name if overlay else kind)
         specs.append(dict(row=row, col=cell_col, type="scatter", name=prefix + label,
-                          meta={"run": name, "panel": panel, "kind": kind},
-                          legendgroup=name if overlay else kind,
-                          showlegend=legend, **kw))
+                          meta={"run": name, "panel": panel, "kind": kind}, showlegend=legend, **kw))
 
     def line(kind):
         return dict(color=col if overlay else _SOLO[kind])
@@ -312,6 +311,18 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
         add("memory", "host_tensors", "run tensors (GiB)", legend=not overlay, x=x, y=c["host_tensors_gib"],
             mode="lines+markers", connectgaps=True, marker=dict(size=4), line=dict(width=2, **line("host_tensors")),
             hovertemplate="step %{x}<br>%{y:.3g} GiB<br>" + TENSORS_NOTE + "<extra></extra>")
+        # A run stopped between sampled steps (Stop at step 9: measured 1-3 only) would end its memory line
+        # short of the other panels. The last measured value is drawn on to the last step, dotted, and says so:
+        # a step's tensors have the same shapes every step (up to the batch's padded length).
+        mx, my = _last_finite(x, c["host_tensors_gib"])
+        last = float(np.nanmax(x)) if len(x) else math.nan
+        carried = mx is not None and last > mx
+        add("memory", "host_tensors_carried", "run tensors (last measured)", legend=False,
+            x=[mx, last] if carried else [], y=[my, my] if carried else [], mode="lines",
+            line=dict(width=2, dash="dot", **line("host_tensors")),
+            legendgroup=name if overlay else "host_tensors",
+            hovertemplate="step %{x}<br>%{y:.3g} GiB: the last measured value, carried on<br>" + TENSORS_NOTE
+            + "<extra></extra>")
         if not overlay:
             add("memory", "host_rss", "process RSS (whole process)", x=x, y=c["host_rss_gib"], mode="lines",
                 line=dict(dash="dot", width=1, color=_SOLO["host_rss_secondary"]), opacity=0.8,
@@ -350,6 +361,12 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
                 x=x[mask], y=visible[panel][mask], mode=extra.pop("mode", "markers"), marker=marker,
                 hovertext=hover, hoverinfo="text", **extra)
     return specs
+
+
+def _last_finite(x: np.ndarray, y: np.ndarray) -> tuple[Optional[float], Optional[float]]:
+    """The last (x, y) whose y is finite, or (None, None)."""
+    ok = np.flatnonzero(np.isfinite(y))
+    return (float(x[ok[-1]]), float(y[ok[-1]])) if ok.size else (None, None)
 
 
 def _spec_trace(spec: dict) -> go.Scatter:

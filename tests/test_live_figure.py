@@ -1,0 +1,213 @@
+"""The live figure is right (issue 35): no exception in the kernel while it is drawn, and every trace keeps its x.
+
+In JupyterLab, plotly.js answers every restyle with "trace deltas" (the values it computed). Measured there with
+plotly 7.1: a trace whose y is all NaN (the loss scale of an fp32 run) came back with its x as a typed array the
+comm serialises as an index-keyed dict, and the clipping line's y ``[1.0, 1.0]`` as ``[1, 1]``. Stock
+``FigureWidget`` then raised ``ValueError`` in the kernel (``_remove_overlapping_props``) or removed x/y from the
+trace, and lines were drawn at 0, 1, 2, ... ``FakeFrontend`` sends such deltas for every trace after every
+redraw, from code: the stock widget fails under it (shown first, so the simulation is known to bite), the
+dashboard's does not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import nbtrain as nbt
+from nbtrain.engine import StopTraining
+
+pytest.importorskip("anywidget")
+go = pytest.importorskip("plotly.graph_objects")
+
+from nbtrain.viz import figures as F  # noqa: E402
+from nbtrain.viz.dashboard import LiveDashboard  # noqa: E402
+from nbtrain.viz.widget import live_figure_widget  # noqa: E402
+
+from .test_viz import make_records  # noqa: E402
+
+SMALL = dict(model="tiny", data="builtin:python-docs", subset=48, max_seq_len=32, micro_batch_size=4,
+             eval_fraction=0.0, precision="fp32", lr=1e-3, max_grad_norm=1.0)
+
+
+def echoed(fig) -> dict:
+    """What plotly.js's front end sends back after a restyle, for every trace: x as the JSON of a typed array (an
+    index-keyed dict), an integral y as ints."""
+    deltas = []
+    for tr in fig.data:
+        d = {"uid": tr.uid}
+        if tr.x is not None and len(tr.x):
+            d["x"] = {str(i): v for i, v in enumerate(np.asarray(tr.x, dtype=float).tolist())}
+        y = np.asarray(tr.y if tr.y is not None else [], dtype=float)
+        if y.size and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
+            d["y"] = [int(v) for v in y]
+        deltas.append(d)
+    return {"trace_deltas": deltas, "trace_edit_id": fig._last_trace_edit_id}
+
+
+def answer(fig) -> None:
+    """Deliver the front end's answer to the kernel's figure, as the comm does (a trait set)."""
+    fig._js2py_traceDeltas = echoed(fig)
+    fig._js2py_layoutDelta = {"layout_delta": {"xaxis": {"range": [0, 1]}, "height": 500},
+                              "layout_edit_id": fig._last_layout_edit_id}
+
+
+class FakeFrontend:
+    """A callback placed after a dashboard: answers each of its redraws as the browser would."""
+
+    def __init__(self, figure_of):
+        self.figure_of = figure_of   # the figure is replaced between runs: ask for it each time
+        self.answered = 0
+        self._seen = None
+
+    def _answer(self) -> None:
+        fig = self.figure_of()
+        if fig is None or not hasattr(fig, "_js2py_traceDeltas"):
+            return
+        stamp = (id(fig), fig._last_trace_edit_id)
+        if stamp != self._seen:
+            self._seen = stamp
+            answer(fig)
+            self.answered += 1
+
+    def on_run_start(self, info) -> None:
+        self._answer()
+
+    def on_step_end(self, record) -> None:
+        self._answer()
+
+    def on_run_end(self, result) -> None:
+        self._answer()
+
+
+def small_figure():
+    # an fp32-like run: no scale (an all-NaN scale line), a clipping line at 1
+    return F.run_figure(make_records(8, scaler=False), None, None)
+
+
+def test_the_simulated_front_end_breaks_plotlys_own_widget():
+    # The simulation reproduces what was seen in the browser: stock FigureWidget raises or loses x.
+    fig = go.FigureWidget(small_figure())
+    with fig.batch_update():
+        for tr in fig.data:
+            tr.x = tr.x
+    try:
+        answer(fig)
+    except ValueError as e:
+        assert "truth value of an array" in str(e)
+    else:
+        lost = [tr.meta["kind"] for tr in fig.data if tr.x is None or len(tr.x) == 0]
+        assert lost, "the stock widget kept every x: the simulation no longer reproduces the bug"
+
+
+def test_the_live_widget_keeps_every_property_under_the_front_ends_answers():
+    fig = live_figure_widget(small_figure())
+    before = [repr((None if tr.x is None else list(tr.x), None if tr.y is None else list(tr.y))) for tr in fig.data]
+    for _ in range(3):
+        with fig.batch_update():
+            for tr in fig.data:
+                tr.x = tr.x
+        answer(fig)
+    after = [repr((None if tr.x is None else list(tr.x), None if tr.y is None else list(tr.y))) for tr in fig.data]
+    assert after == before
+    assert not fig._trace_edit_in_process and not fig._layout_edit_in_process   # the edits were acknowledged
+    assert fig.layout.height == F.RUN_HEIGHT    # the front end's layout answer overwrote nothing
+
+
+def steps_of(history) -> list[int]:
+    return [int(s) for s in history["step"]]
+
+
+def assert_traces_at_steps(fig, histories: dict) -> None:
+    """Every run's traces lie at that run's steps; loss, grad norm and the memory line reach its last step."""
+    for tr in fig.data:
+        run, kind = tr.meta["run"], tr.meta["kind"]
+        if run not in histories:
+            continue
+        steps = steps_of(histories[run])
+        x = [] if tr.x is None else [float(v) for v in tr.x]
+        assert set(x) <= set(map(float, steps)), (run, kind, x[:8])
+        if kind in ("loss", "loss_ema", "grad_norm", "loss_diff"):
+            assert x == [float(s) for s in steps], (run, kind, x[:8], steps[:8])
+        if kind in ("host_tensors", "host_tensors_carried", "host_rss", "clip_threshold") and x:
+            assert max(x) == steps[-1] or kind == "host_tensors", (run, kind, x)
+    for run, history in histories.items():
+        mem = F.find_traces(fig, panel="memory", run=run)
+        reach = max(float(v) for tr in mem for v in (tr.x if tr.x is not None else []) if v is not None)
+        assert reach == steps_of(history)[-1], f"{run}: the memory line ends at {reach}, the run at step " \
+                                               f"{steps_of(history)[-1]}"
+
+
+def test_a_run_a_stopped_run_and_a_compare_keep_their_x_under_the_front_end():
+    # Train
+    dash = LiveDashboard(display=False, mode="widget")
+    front = FakeFrontend(lambda: dash.figure)
+    res = nbt.train(nbt.TrainConfig(**SMALL, max_steps=12), callbacks=[dash, front])
+    assert res.summary["stopped_reason"] == "max_steps", res.summary   # a callback error would say so
+    assert front.answered >= 3
+    assert_traces_at_steps(dash.figure, {"run": res.history})
+
+    # Stop at step 9: between the sampled memory steps (1-3, 10, ...)
+    class StopAt:
+        def on_step_end(self, record):
+            if record.step == 9:
+                raise StopTraining
+
+    dash = LiveDashboard(display=False, mode="widget")
+    front = FakeFrontend(lambda: dash.figure)
+    res = nbt.train(nbt.TrainConfig(**SMALL, max_steps=40), callbacks=[dash, front, StopAt()])
+    assert res.summary["stopped_reason"] == "stopped" and len(res.history) == 9
+    assert_traces_at_steps(dash.figure, {"run": res.history})
+    carried = F.find_trace(dash.figure, "memory", "host_tensors_carried")
+    assert list(carried.x) == [3.0, 9.0] and carried.line.dash == "dot"   # drawn on, and drawn as such
+
+    # Compare: four variants, the scale line of three of them all NaN (the trace that raised in the browser)
+    dash = LiveDashboard(display=False, mode="widget")
+    front = FakeFrontend(lambda: dash.figure)
+    cmp = nbt.compare(nbt.TrainConfig(**{**SMALL, "max_steps": 4, "subset": 24}),
+                      precisions=("fp32", "fp16", "bf16", "bf16-pure"), callbacks=[dash, front], warmup=False)
+    ran = {n: r.history for n, r in cmp.results.items() if r.history is not None and len(r.history)}
+    assert len(ran) == 4, cmp.table[["variant", "status", "notes"]]
+    assert all(r.summary["stopped_reason"] == "max_steps" for r in cmp.results.values())
+    assert_traces_at_steps(dash.figure, ran)
+    # the difference panel, once, at each run's steps
+    assert {tr.meta["run"] for tr in dash.figure.data if tr.meta["kind"] == "loss_diff"} == set(ran)
+
+
+def decoded(obj):
+    """Plotly JSON with its typed arrays (``{"dtype", "bdata"}``, base64) as lists, as plotly.js reads them."""
+    import base64
+
+    if isinstance(obj, dict):
+        if set(obj) >= {"dtype", "bdata"}:
+            return np.frombuffer(base64.b64decode(obj["bdata"]), dtype=obj["dtype"]).tolist()
+        return {k: decoded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decoded(v) for v in obj]
+    return obj
+
+
+def test_html_mode_draws_every_trace_at_its_steps(monkeypatch):
+    shown = []
+
+    class Handle:
+        def __init__(self, obj):
+            shown.append(obj)
+
+        def update(self, obj, raw=False):
+            shown.append(obj)
+
+    import IPython.display
+
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False, display_id=None: Handle(obj))
+    dash = LiveDashboard(display=True, mode="html")
+    res = nbt.train(nbt.TrainConfig(**SMALL, max_steps=6), callbacks=[dash])
+    assert res.summary["stopped_reason"] == "max_steps"
+    figs = [b["application/vnd.plotly.v1+json"] for b in shown if isinstance(b, dict)
+            and "application/vnd.plotly.v1+json" in b]
+    assert figs, "no figure was shown"
+    last = go.Figure(decoded(figs[-1]))
+    assert_traces_at_steps(last, {"run": res.history})
+    assert not any(math.isnan(v) for tr in last.data if tr.meta["kind"] == "loss" for v in tr.x)
