@@ -25,6 +25,7 @@ MAX_EXTRA_SEEDS = 4   # each is one more run of the reference: the noise band's 
 # Ticked for Compare at first (where this device runs them): the autocast family. bf16-pure and fp8 change the
 # weights' dtype or the matmuls' and are there to tick (fp8 off a GPU with fp8 tensor cores is emulated and slow).
 DEFAULT_COMPARE = ("fp32", "tf32", "fp16", "bf16")
+REPEATS_CHOICES = (1, 3, 5)   # 3 is the fewest that ranks a speed difference, 5 what a busy machine needs
 
 
 class LiveFigureOutput:
@@ -77,6 +78,8 @@ class Job:
         self.variants: tuple[str, ...] = ()
         self.extra_seeds: tuple[int, ...] = ()
         self.processes = 1   # > 1: a launched Train (nbt.launch), whose workers hold the model
+        self.revealed = False   # whether its live figure has replaced what the last job left on screen
+        self.shown = None       # the widget that shows its live figure
         self.where = ""      # what the status line adds for a launched Train ("2 processes · fsdp")
 
     def halt(self) -> None:
@@ -131,6 +134,17 @@ class StatusCallback:
         return (f" {self.variant}" if self.variant else "") + (f" ({self.job.where})" if self.job.where else "")
 
 
+class RevealCallback:
+    """First among a press's callbacks: at its first run's start, the new live figure takes the dashboard area
+    (until then what the last press left stays on screen)."""
+
+    def __init__(self, runner: "Runner", job: "Job"):
+        self.runner, self.job = runner, job
+
+    def on_run_start(self, info) -> None:
+        self.runner.reveal(self.job)
+
+
 class AnswersCallback:
     """Puts the sample prompts' latest answers into the runner's answers block as they come (placed after the
     dashboard, which has just recorded the answer)."""
@@ -168,10 +182,12 @@ class Runner:
     """
 
     def __init__(self, caps, hints: dict[str, str], *, callbacks=(),
-                 on_field_error: Callable[[list], None] = lambda errors: None):
+                 on_field_error: Callable[[list], None] = lambda errors: None,
+                 on_busy: Callable[[bool], None] = lambda busy: None):
         self.caps = caps
         self.callbacks = list(callbacks)
         self.on_field_error = on_field_error
+        self.on_busy = on_busy   # told True when a press starts a job, False when it ends (the Panel folds its settings)
         self.run = None
         self.result = None
         self.comparison = None
@@ -182,7 +198,8 @@ class Runner:
         self.compare_thread: Optional[threading.Thread] = None
         self._lock = threading.RLock()
 
-        self.status = widgets.HTML()
+        self.status = widgets.HTML(layout=widgets.Layout(width="100%"))
+        self.status.add_class("nbtrain-status")
         self.notes = widgets.HTML()   # the last run's notes and out-of-memory advice, under the status
         self.train_button = widgets.Button(description="Train", button_style="success", icon="play",
                                            tooltip="train with these settings (background thread)")
@@ -196,20 +213,30 @@ class Runner:
                                 description=p, indent=False, layout=widgets.Layout(width="auto", margin="0 8px 0 0"),
                                 tooltip=caps.reasons.get(p) or hints.get(p, p))
             for p in PRECISIONS}
+        # Named as compare()'s arguments, which the verdicts' advice names ("repeats=5", "seeds=(0, 1, 2)").
+        self.repeats_control = widgets.Dropdown(
+            options=[(str(n), n) for n in REPEATS_CHOICES], value=1, description="repeats:",
+            style={"description_width": "60px"}, layout=widgets.Layout(width="130px", margin="0 0 0 8px"),
+            tooltip="time every precision this many times, in a rotated order: speed is ranked from 3 repeats on "
+                    "(5 on a busy machine); 1 gives one timing, not ranked")
+        # value: how many seeds besides the config's own (0: the config's seed alone, no band)
         self.seeds_control = widgets.Dropdown(
-            options=[("off", 0)] + [(f"{n} extra seed{'s' if n > 1 else ''}", n)
-                                    for n in range(1, MAX_EXTRA_SEEDS + 1)],
-            value=0, description="noise band:", style={"description_width": "90px"},
-            layout=widgets.Layout(width="230px", margin="0 0 0 8px"),
-            tooltip="run the first precision again under this many other seeds after the comparison: the spread "
-                    "of their loss is the band a precision's difference is judged against (one extra run each)")
-        self.difference_view = None   # the difference panel shown after a Compare
-        self.dashboard_area = widgets.VBox()
+            options=[("1 (no band)", 0)] + [(str(n + 1), n) for n in range(1, MAX_EXTRA_SEEDS + 1)],
+            value=0, description="seeds:", style={"description_width": "50px"},
+            layout=widgets.Layout(width="160px", margin="0 0 0 8px"),
+            tooltip="seeds=(0, 1, 2) is 3: the first precision runs again under each other seed after the "
+                    "comparison, and the spread of their loss is the noise band a difference is judged against "
+                    "(one extra run each)")
+        self.difference_view = None   # the figure whose difference row is read after a Compare
+        self.verdicts = widgets.HTML(layout=widgets.Layout(max_width="100%"))   # after a Compare, above the table
+        self.verdicts.add_class("nbtrain-verdicts")
+        self.dashboard_area = widgets.VBox(layout=widgets.Layout(width="100%"))
+        self.dashboard_area.add_class("nbtrain-dashboard")
         # The sample prompts' answers, under the figure: the latest during a run, the last step's after a Train
         # (after a Compare the comparison's table shows each variant's answers side by side instead).
         self.answers = widgets.HTML(layout=widgets.Layout(max_width="100%"))
         compare_row = widgets.HBox([widgets.HTML(render.small("compare:")), *self.compare_choices.values(),
-                                    self.seeds_control],
+                                    self.repeats_control, self.seeds_control],
                                    layout=widgets.Layout(align_items="center", margin="0 0 0 12px"))
         self.buttons_row = widgets.HBox([self.train_button, self.stop_button, self.compare_button, compare_row],
                                         layout=widgets.Layout(align_items="center", flex_flow="row wrap"))
@@ -233,15 +260,28 @@ class Runner:
 
     # -- starting -------------------------------------------------------------------------------
     def begin(self, kind: str) -> Job:
-        """A new job: notes cleared, Train and Compare disabled, Stop enabled."""
+        """A new job: Train and Compare disabled, Stop enabled, the settings folded (``on_busy``). What the last run
+        or comparison left on screen stays until this one's first run starts (:meth:`reveal`): a start that fails
+        clears nothing."""
         job = Job(kind)
         self.job = job
-        self.notes.value = ""
-        self.answers.value = ""
         self.train_button.disabled = True
         self.compare_button.disabled = True
         self.stop_button.disabled = False
+        self.on_busy(True)
         return job
+
+    def reveal(self, job: Job) -> None:
+        """The job's first run has started: its live figure replaces what the last one left (notes, answers,
+        verdicts and table)."""
+        with self._lock:
+            if job.revealed or job is not self.job:
+                return
+            job.revealed = True
+        self.notes.value = ""
+        self.answers.value = ""
+        self.verdicts.value = ""
+        self.dashboard_area.children = (job.shown,)
 
     def _new_dashboard(self) -> list:
         """A new dashboard in the dashboard area; returns the callbacks that draw it (the dashboard first)."""
@@ -260,13 +300,12 @@ class Runner:
             dash = LiveDashboard(display=False, mode="html")
             self.live_figure = LiveFigureOutput(dash)
         self.dashboard = dash
-        shown = dash.widget if dash.widget is not None else self.live_figure.widget
-        own = getattr(getattr(dash, "view", None), "answers", None)
-        if isinstance(own, widgets.Widget):   # the widget dashboard's own answers block: one block is enough
-            own.layout.display = "none"
-        self.dashboard_area.children = (shown,)
         job = self.job
-        return [dash] + ([self.live_figure] if self.live_figure is not None else []) + [AnswersCallback(self, job)]
+        # The figure alone: the runner's status line is the one status (the dashboard's own would repeat it), and
+        # the runner's answers block the one block of answers.
+        job.shown = dash.figure if dash.widget is not None else self.live_figure.widget
+        return ([RevealCallback(self, job), dash] + ([self.live_figure] if self.live_figure is not None else [])
+                + [AnswersCallback(self, job)])
 
     def train(self, cfg, processes: int = 1) -> None:
         """Start a Train of ``cfg`` in the background: in this process, or with ``processes`` > 1 launched on
@@ -303,17 +342,20 @@ class Runner:
         else:
             self.finish(job, result=result)
 
-    def compare(self, cfg, precisions: tuple[str, ...], seeds: Optional[tuple[int, ...]] = None) -> None:
-        """Start a Compare of ``cfg`` over ``precisions`` in the background; ``seeds`` (default: from the
-        noise-band control) adds the reference's seed runs."""
+    def compare(self, cfg, precisions: tuple[str, ...], seeds: Optional[tuple[int, ...]] = None,
+                repeats: Optional[int] = None) -> None:
+        """Start a Compare of ``cfg`` over ``precisions`` in the background; ``seeds`` (default: from the seeds
+        control) adds the reference's seed runs, ``repeats`` (default: the repeats control) times each variant
+        that many times."""
         from ..compare import compare
 
         seeds = self.compare_seeds(cfg) if seeds is None else tuple(seeds)
+        repeats = int(self.repeats_control.value if repeats is None else repeats)
         job = self.begin("compare")
         job.variants, job.extra_seeds = tuple(precisions), tuple(s for s in seeds if s != cfg.seed)
         drawing = self._new_dashboard()
         n = len(job.extra_seeds)
-        extra = f" + {n} seed run{'s' if n > 1 else ''}" if n else ""
+        extra = (f" × {repeats} repeats" if repeats > 1 else "") + (f" + {n} seed run{'s' if n > 1 else ''}" if n else "")
         self.set_status(f"comparing {', '.join(precisions)}{extra}…", render.GREY)
         callbacks = [*drawing, StatusCallback(self, job), *self.callbacks]
 
@@ -321,10 +363,8 @@ class Runner:
 
         def work():
             try:
-                if variants is None:
-                    cmp = compare(cfg, precisions=precisions, callbacks=callbacks, stop=job.stop, seeds=seeds)
-                else:
-                    cmp = compare(cfg, variants=variants, callbacks=callbacks, stop=job.stop, seeds=seeds)
+                what = dict(precisions=precisions) if variants is None else dict(variants=variants)
+                cmp = compare(cfg, **what, callbacks=callbacks, stop=job.stop, seeds=seeds, repeats=repeats)
             except BaseException as e:
                 self.finish(job, error=e)
             else:
@@ -365,7 +405,7 @@ class Runner:
                     message, _, tail = message.partition("\n")
                     self.notes.value = launched_log_html(tail)
                 self.set_status(f"error: {render.esc(message)}", render.RED)
-                self._settle_dashboard()
+                self._settle_dashboard(job)
                 errors = _field_errors(error)
                 if errors:
                     self.on_field_error(errors)
@@ -375,18 +415,20 @@ class Runner:
                 self.set_status(line, render.status_color(result))
                 self.notes.value = render.notes_block([(None, result)]) + self._launched_note(job)
                 self.answers.value = answers_html(getattr(result, "samples", None))
-                self._settle_dashboard()
+                self._settle_dashboard(job)
             else:
                 self.comparison = comparison
                 self.set_status(*_comparison_status(comparison))
-                self.notes.value = render.notes_block(list((getattr(comparison, "results", None) or {}).items()))
+                # The runs' notes are the table's notes column (each variant's, under the table): not again here.
+                self.notes.value = ""
                 self.answers.value = ""   # the comparison's summary shows them side by side, variant by variant
-                self._settle_dashboard()
-                self._show_comparison(comparison)
+                self._settle_dashboard(job)
+                self._show_comparison(comparison, job)
         finally:
             self.train_button.disabled = False
             self.compare_button.disabled = False
             self.stop_button.disabled = True
+            self.on_busy(False)
             job.done.set()
 
     def _launched_note(self, job: Job) -> str:
@@ -398,12 +440,12 @@ class Runner:
                             "(result.model is None)" + (f"; rank 0 saved it to {render.esc(out)}/model, beside the "
                                                         "config, history and summary" if out else ""))
 
-    def _settle_dashboard(self) -> None:
-        """The finished figure alone: the live status line above it goes, its step count and ETA being stale
-        once the run has ended (the runner's status line says how it ended). A line instead of an empty
-        figure when no step ran (a run that failed while loading, a Compare stopped before its first step)."""
+    def _settle_dashboard(self, job: Job) -> None:
+        """The finished figure (the runner's status line above says how it ended). A line instead of an empty
+        figure when no step ran (a run that failed after it started, a Compare stopped before its first step);
+        a job whose run never started leaves the last job's figure, table and answers as they were."""
         dash = self.dashboard
-        if dash is None:
+        if dash is None or not job.revealed:
             return
         answers = (self.answers,) if self.answers.value else ()
         if not dash.records:
@@ -417,23 +459,64 @@ class Runner:
             out.outputs = ({"output_type": "display_data", "data": static_bundle(dash.figure), "metadata": {}},)
             self.dashboard_area.children = (out, *answers)
 
-    def _show_comparison(self, cmp) -> None:
-        # The verdicts, the compact table, its notes and the full table behind a toggle, under the figure;
-        # then the difference panel the verdicts are read from.
-        if getattr(cmp, "table", None) is None:
+    def _show_comparison(self, cmp, job: Job) -> None:
+        """After a Compare, top to bottom: the verdicts, the compact table (its notes, and the full table behind a
+        toggle), then the finished figure, whose difference row gets the seed-noise band the verdicts were
+        judged against."""
+        if getattr(cmp, "table", None) is None or not job.revealed:
             return
-        self.comparison_table = widgets.HTML(cmp.summary_html(details=True),
-                                             layout=widgets.Layout(max_width="100%"))
-        shown = [self.comparison_table]
+        verdicts, rest = _summary_parts(cmp)
+        self.verdicts.value = verdicts
+        self.comparison_table = widgets.HTML(rest, layout=widgets.Layout(max_width="100%"))
+        self.comparison_table.add_class("nbtrain-table")
         self.difference_view = None
-        if hasattr(cmp, "difference_figure") and (len(cmp.results) > 1 or cmp.band is not None):
+        figure = self.dashboard.figure if self.dashboard is not None and self.dashboard.records else None
+        if figure is not None and getattr(cmp, "band", None) is not None:
+            _add_band(figure, cmp)
+            if self.live_figure is not None:   # the html figure: drawn again, with its band
+                self._settle_dashboard(job)
+        extra = ()
+        if figure is not None and any((t.meta or {}).get("kind") == "loss_diff" for t in figure.data):
+            self.difference_view = self.dashboard_area.children[0]
+        elif getattr(cmp, "band", None) is not None and hasattr(cmp, "difference_figure"):
+            # One variant and its seed runs: the live figure had nothing to difference; the panel comes on its own.
             from ..viz.views import static_bundle
 
             self.difference_view = widgets.Output(layout=widgets.Layout(max_width="100%"))
             self.difference_view.outputs = ({"output_type": "display_data", "metadata": {},
                                              "data": static_bundle(cmp.difference_figure())},)
-            shown.append(self.difference_view)
-        self.dashboard_area.children = (*self.dashboard_area.children, *shown)
+            extra = (self.difference_view,)
+        shown = (self.verdicts,) if verdicts else ()
+        self.dashboard_area.children = (*shown, self.comparison_table, *self.dashboard_area.children, *extra)
+
+
+def _summary_parts(cmp) -> tuple[str, str]:
+    """A comparison's summary as (verdicts, the rest): the verdicts go above the table, on their own."""
+    full = cmp.summary_html(details=True)
+    verdicts = cmp._verdicts_html() if hasattr(cmp, "_verdicts_html") else ""
+    if verdicts and verdicts in full:
+        return verdicts, full.replace(verdicts, "", 1)
+    return "", full
+
+
+def _add_band(figure, cmp) -> None:
+    """The comparison's seed-noise band (behind its lines) in ``figure``'s difference row, which the live figure
+    drew without one (the seed runs come after the variants); the row's title says what the grey is."""
+    from ..viz.figures import _diff_title, difference_traces
+
+    diffs = [t for t in figure.data if (t.meta or {}).get("kind") == "loss_diff"]
+    if not diffs:
+        return
+    band = [t for t in difference_traces({n: r.history for n, r in cmp.results.items()}, cmp.reference,
+                                         band=cmp.band) if t.meta["kind"].startswith("noise_band")]
+    for t in band:
+        t.update(xaxis=diffs[0].xaxis, yaxis=diffs[0].yaxis)
+    with figure.batch_update():
+        figure.add_traces(band)
+        plain = _diff_title(cmp.reference, None)
+        for a in figure.layout.annotations:
+            if a.text == plain:
+                a.text = _diff_title(cmp.reference, cmp.band)
 
 
 def launched_log_html(tail: str) -> str:
