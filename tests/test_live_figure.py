@@ -211,3 +211,18 @@ def test_html_mode_draws_every_trace_at_its_steps(monkeypatch):
     last = go.Figure(decoded(figs[-1]))
     assert_traces_at_steps(last, {"run": res.history})
     assert not any(math.isnan(v) for tr in last.data if tr.meta["kind"] == "loss" for v in tr.x)
+
+
+def test_the_live_widget_asks_its_views_to_fit_their_width_after_each_rebuild():
+    # A view drawn before the page held it stood at plotly.js's default width until the run ended: the first
+    # redraws after each rebuild ask every view to size itself to its output (a relayout of autosize).
+    dash = LiveDashboard(display=False, mode="widget", max_redraws_per_s=1000)
+    sent = []
+    original = dash.figure._send_relayout_msg
+    dash.figure._send_relayout_msg = lambda data, source_view_id=None: (sent.append(dict(data)),
+                                                                        original(data, source_view_id))
+    res = nbt.train(nbt.TrainConfig(**SMALL, max_steps=6), callbacks=[dash])
+    assert res.summary["stopped_reason"] == "max_steps"
+    fits = [d for d in sent if d == {"autosize": True}]
+    assert 1 <= len(fits) <= 3 * max(1, dash.redraws), sent
+    assert dash.figure.layout.width is None and dash.figure.layout.height == F.RUN_HEIGHT

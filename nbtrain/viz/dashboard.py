@@ -54,6 +54,7 @@ ENV_VAR = "NBTRAIN_DASHBOARD"
 MODES = ("widget", "html", "text")
 
 _HTML_MIN_INTERVAL = 1.0   # html mode resends the whole figure: at most once a second
+_FITS_AFTER_REBUILD = 3    # redraws after a rebuild that size the widget's views to their output (LiveFigureWidget)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,6 +152,7 @@ class LiveDashboard:
         self.static_plotlyjs = static_plotlyjs
         self.redraws = 0
         self._scale_axis: Optional[dict] = None   # the loss-scale ticks last sent to the figure
+        self._fits = 0   # redraws since the last rebuild that asked the widget's views to fit their width
         self._draw_lock = threading.Lock()    # one redraw at a time
         if self.mode == "widget":
             self.figure = live_figure_widget(figures.make_run_layout())
@@ -259,6 +261,7 @@ class LiveDashboard:
                 fig.add_traces(list(new.data))
                 fig.layout = new.layout
             self._scale_axis = axis
+            self._fits = 0
             return True
         # The difference panel's traces follow the runs' own (runs_figure adds them last).
         diffs = figures.live_difference_traces(snap, {n: figures._PALETTE[k % len(figures._PALETTE)]
@@ -279,6 +282,11 @@ class LiveDashboard:
                 for key, value in axis.items():   # item by item: update() would open a batch of its own
                     yaxis[key] = value
                 self._scale_axis = axis
+        if self._fits < _FITS_AFTER_REBUILD and hasattr(fig, "fit_width"):
+            # The view of a figure shown as the run starts is drawn before the page holds it, at a default width:
+            # the first redraws after, when it is on the page, size it to the output's width.
+            fig.fit_width()
+            self._fits += 1
         return False
 
     def __repr__(self) -> str:

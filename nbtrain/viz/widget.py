@@ -53,6 +53,15 @@ def _widget_class():
                 self._run_waiting_callbacks()
             self._js2py_layoutDelta = None
 
+        def fit_width(self) -> None:
+            """Ask every view to size the figure to its container again (a ``relayout`` of ``autosize``). A view
+            drawn before the browser attached it to the page gets plotly.js's default 700 px (measured in
+            JupyterLab: the Panel's figure stood 460 px wide beside 300 px of nothing until the run ended), and
+            plotly's widget resizes only on a window resize; sent unconditionally, as nothing in Python says
+            whether it changed."""
+            if self.layout.width is None:
+                self._send_relayout_msg({"autosize": True})
+
         def _run_waiting_callbacks(self) -> None:
             # what plotly runs once neither a trace nor a layout edit is pending (waiting_edit_callbacks)
             if not self._trace_edit_in_process and not self._layout_edit_in_process:
