@@ -304,7 +304,7 @@ def test_the_error_box_names_the_field_once(error, field):
 
     panel = Panel(small(), debounce_s=0)
     panel.runner.finish(panel.runner.begin("train"), error=error)
-    text = htmllib.unescape(re.sub(r"<[^>]+>", "", panel.error.value))
+    text = htmllib.unescape(re.sub(r"<[^>]+>", "", panel.form.field_errors[field].value))   # under the field
     assert f"{field}: " in text and f"{field}: {field}:" not in text
     assert str(error).split(": ", 1)[1] in text
     assert panel.controls[field].layout.border

@@ -5,8 +5,6 @@ import re
 
 import pytest
 
-from nbtrain.config import TrainConfig
-
 ipywidgets = pytest.importorskip("ipywidgets")
 
 from ipywidgets.widgets.widget_description import DescriptionWidget  # noqa: E402 (after the importorskip)
@@ -155,22 +153,7 @@ def test_a_model_path_that_does_not_exist_is_flagged_and_a_model_id_is_not(tmp_p
 
 
 # -- a run's model error marks the Model field -------------------------------------------------------------
-def test_a_runs_model_error_marks_the_model_field(tmp_path):
-    missing = str(tmp_path / "no-such-model")
-    panel = Panel(TrainConfig(model=missing, data="builtin:python-docs", subset=16, max_seq_len=16,
-                              max_steps=1, eval_fraction=0.0, precision="fp32"), debounce_s=0)
-    panel.tabs.selected_index = list(SECTIONS).index("Training")
-    assert panel.errors == []
-    panel.train_button.click()
-    assert panel.wait(240) is None
-    assert "ModelError" in panel.status.value, panel.status.value
-    assert panel.controls["model"].layout.border and not panel.controls["data"].layout.border
-    assert [e["field"] for e in panel.errors] == ["model"]
-    assert panel.tabs.selected_index == list(SECTIONS).index("Model")
-    assert not panel.train_button.disabled
-    # the next edit re-validates: the mark goes with the value that caused it
-    panel.controls["model"].value = "tiny"
-    assert not panel.controls["model"].layout.border
+# (A model path that is not here no longer starts a run: test_panel_inputs checks Train refuses it, marked, once.)
 
 
 def test_a_model_error_from_loading_marks_the_model_field():

@@ -82,7 +82,7 @@ def test_new_precisions_are_greyed_with_their_reason_and_notes_shown(fake_caps):
     picker.value = "bf16-pure"
     with pytest.raises(ConfigError) as e:
         _ = panel.config
-    assert e.value.field == "precision" and "no bf16 storage here" in panel.error.value
+    assert e.value.field == "precision" and "no bf16 storage here" in panel.form.field_errors["precision"].value
     panel.train_button.click()
     assert panel.run is None and "not started" in panel.status.value
 
@@ -101,7 +101,7 @@ def test_an_optimizer_this_device_cannot_run_is_greyed_and_yields_no_config(fake
     opt.value = "paged_adamw_8bit"
     with pytest.raises(ConfigError) as e:
         _ = panel.config
-    assert e.value.field == "optimizer" and "paged needs CUDA" in panel.error.value
+    assert e.value.field == "optimizer" and "paged needs CUDA" in panel.form.field_errors["optimizer"].value
     assert panel.controls["optimizer"].layout.border
     panel.train_button.click()
     panel.compare_button.click()

@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
+import json
+import re
+
 import ipywidgets as widgets
 import traitlets
 
-from ..config import OPTIMIZERS
+from ..config import OPTIMIZERS, TRACKERS, TrainConfig
 from ..hardware import PRECISIONS
 
 # Sized for JupyterLab's 13 px widget font (about 7 px a character): every description fits its 170 px
@@ -105,6 +108,23 @@ class Choice(widgets.HBox):
             self._syncing = False
 
 
+class _NumberUnicode(traitlets.Unicode):
+    """Text that also takes a number from code (``box.value = 64`` shows "64"), so scripts and notebooks that
+    set numbers keep working; what the browser sends is text either way."""
+
+    def validate(self, obj, value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value) if isinstance(value, int) else repr(float(value))
+        return super().validate(obj, value)
+
+
+class NumberText(widgets.Text):
+    """A text box for a number, read in Python: a browser-side IntText/FloatText would silently put back the old
+    value when letters are typed; here the text stays and the panel says under the field what is allowed."""
+
+    value = _NumberUnicode("", help="String value").tag(sync=True)
+
+
 class Codec:
     """How one TrainConfig field is edited: the widget, and value <-> widget value conversions."""
 
@@ -159,6 +179,8 @@ def encode_targets(value) -> str:
 def decode_targets(text: str):
     """Inverse of :func:`encode_targets`: a comma means a list, a single name is a one-item list."""
     text = text.strip()
+    if text.startswith("[") and _json_as(text, list) is not None:   # what a name with a comma is shown as
+        return _json_as(text, list)
     if "," in text:
         return [t.strip() for t in text.split(",") if t.strip()]
     if text == "all-linear" or not text:
@@ -166,13 +188,130 @@ def decode_targets(text: str):
     return [text]
 
 
+# -- numbers: text boxes parsed here, each bad entry said under its field -----------------------------
+def _range_words(name: str) -> str:
+    """A field's bounds in words from TrainConfig's own (``Field(gt=0, le=10)``): " greater than 0, at most 10"."""
+    words = {"gt": "greater than {}", "ge": "at least {}", "lt": "below {}", "le": "at most {}"}
+    parts = [words[k].format(getattr(m, k)) for m in TrainConfig.model_fields[name].metadata
+             for k in words if hasattr(m, k)]
+    return " " + ", ".join(parts) if parts else ""
+
+
+def _got(text: str) -> str:
+    return f"got {text.strip()!r}" if text.strip() else "got a blank box"
+
+
+_WHOLE = re.compile(r"[+-]?\d[\d_]*")
+
+
+def _int(name: str, desc: str) -> Codec:
+    """A whole-number field: "64"; a wrong entry says so, with the field's bounds."""
+    def decode(text: str) -> int:
+        if not _WHOLE.fullmatch(str(text).strip()):
+            raise ValueError(f"must be a whole number{_range_words(name)}; {_got(str(text))}")
+        return int(str(text).strip())
+
+    return Codec(lambda: NumberText(description=desc, placeholder="a whole number", style=_style(),
+                                    layout=_layout(), continuous_update=False), str, decode)
+
+
+def _float(name: str, desc: str, example: str) -> Codec:
+    """A number field: "0.001" or "1e-3"; a wrong entry says so, with the field's bounds and an example."""
+    def decode(text: str) -> float:
+        try:
+            return float(str(text).strip())
+        except ValueError:
+            raise ValueError(f"must be a number{_range_words(name)}, e.g. {example}; {_got(str(text))}") from None
+
+    return Codec(lambda: NumberText(description=desc, placeholder=f"e.g. {example}", style=_style(),
+                                    layout=_layout(), continuous_update=False),
+                 lambda v: repr(float(v)), decode)
+
+
+# -- lists and dicts: text a person would type ----------------------------------------------------------
+def _exact(friendly: Callable[[Any], str], decode: Callable[[str], Any]) -> Callable[[Any], str]:
+    """The friendly text when it reads back as the same value, else JSON (which ``decode`` also reads): a value no
+    friendly text can hold (a name with a comma, a prompt over several lines) still round-trips exactly."""
+    def encode(v) -> str:
+        text = friendly(v)
+        try:
+            if decode(text) == v:
+                return text
+        except ValueError:
+            pass
+        return json.dumps(v, ensure_ascii=False)
+
+    return encode
+
+
+def _json_as(text: str, kind: type):
+    """``text`` read as JSON when it is JSON of ``kind`` (a list of strings, a dict of strings), else None."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return None
+    items = v.items() if isinstance(v, dict) else v if isinstance(v, list) else None
+    if not isinstance(v, kind) or items is None:
+        return None
+    flat = [x for pair in items for x in (pair if isinstance(v, dict) else (pair,))]
+    return v if all(isinstance(x, str) for x in flat) else None
+
+
+def decode_columns(text: str) -> dict:
+    """``"prompt=question, response=answer"`` -> ``{"prompt": "question", "response": "answer"}``; blank -> {}."""
+    text = str(text).strip()
+    if text.startswith("{"):
+        v = _json_as(text, dict)
+        if v is None:   # YAML flow ({output: answer}), as the CLI's --set writes it
+            import yaml
+
+            try:
+                v = yaml.safe_load(text)
+            except yaml.YAMLError:
+                v = None
+        if isinstance(v, dict):
+            return v
+        raise ValueError(f"write it as format_name=your_column, separated by commas, e.g. output=answer; "
+                         f"{_got(text)}")
+    out = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        key, sep, col = (x.strip() for x in item.partition("="))
+        if not sep or not key or not col:
+            raise ValueError(f"each entry is format_name=your_column (e.g. output=answer, instruction=question); "
+                             f"{_got(item)}")
+        out[key] = col
+    return out
+
+
+def decode_trackers(text: str) -> list:
+    """``"tensorboard, mlflow"`` -> the list; blank -> [] (TrainConfig says which names are allowed)."""
+    text = str(text).strip()
+    if text.startswith("["):   # YAML/JSON flow list, as the CLI's --set writes it
+        import yaml
+
+        try:
+            v = yaml.safe_load(text)
+        except yaml.YAMLError:
+            v = None
+        if isinstance(v, list) and all(isinstance(t, str) for t in v):
+            return v
+        raise ValueError(f"write tracker names separated by commas ({', '.join(TRACKERS)}); {_got(text)}")
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def decode_lines(text: str) -> list:
+    """One item per line, blank lines dropped; a JSON list of strings (what a multi-line prompt is shown as) too."""
+    text = str(text)
+    if text.strip().startswith("["):
+        v = _json_as(text.strip(), list)
+        if v is not None:
+            return v
+    return [t.strip() for t in text.splitlines() if t.strip()]
+
+
 # -- widgets ---------------------------------------------------------------------------------------
-def _int(desc: str) -> Callable[[], widgets.Widget]:
-    return lambda: widgets.IntText(description=desc, style=_style(), layout=_layout())
-
-
-def _float(desc: str) -> Callable[[], widgets.Widget]:
-    return lambda: widgets.FloatText(description=desc, style=_style(), layout=_layout())
 
 
 def _text(desc: str, placeholder: str = "", width: str = CONTROL_WIDTH) -> Callable[[], widgets.Widget]:
@@ -201,7 +340,7 @@ def _lines(desc: str, placeholder: str) -> Codec:
         return widgets.Textarea(description=desc, placeholder=placeholder, rows=3, style=_style(),
                                 layout=_layout(WIDE_CONTROL_WIDTH), continuous_update=False)
 
-    return Codec(make, lambda v: "\n".join(v or []), lambda text: [t.strip() for t in text.splitlines() if t.strip()])
+    return Codec(make, _exact(lambda v: "\n".join(v or []), decode_lines), decode_lines)
 
 
 def _with_widget(codec: Codec, make: Callable[[], widgets.Widget]) -> Codec:
@@ -230,37 +369,37 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "text_column": Codec(_text("Text column")),
         "label_column": Codec(_text("Label column")),
         "image_column": Codec(_text("Image column")),
-        "max_seq_len": Codec(_int("Max seq len (tokens)")),
+        "max_seq_len": _int("max_seq_len", "Max seq len (tokens)"),
         "subset": _with_widget(_optional_int("all examples"), _text("Subset (examples)", "all")),
         "precision": Codec(lambda: Choice(("auto", *PRECISIONS), description="Precision",
                                           disabled=precision_disabled, tooltips=precision_tips)),
         "optimizer": Codec(lambda: Choice(OPTIMIZERS, labels=OPTIMIZER_LABELS, description="Optimizer",
                                           disabled=optimizer_disabled, tooltips=optimizer_tips)),
         "stochastic_rounding": Codec(_check("Stochastic rounding")),
-        "micro_batch_size": Codec(_int("Micro batch (examples)")),
-        "grad_accum_steps": Codec(_int("Accumulation steps")),
+        "micro_batch_size": _int("micro_batch_size", "Micro batch (examples)"),
+        "grad_accum_steps": _int("grad_accum_steps", "Accumulation steps"),
         "method": Codec(lambda: Choice(("full", "lora", "qlora"), labels={"lora": "LoRA", "qlora": "QLoRA"},
                                        description="Method", disabled=method_disabled, tooltips=method_tips)),
-        "lora_r": Codec(_int("LoRA rank r")),
-        "lora_alpha": Codec(_float("LoRA alpha")),
-        "lora_dropout": Codec(_float("LoRA dropout (0-1)")),
+        "lora_r": _int("lora_r", "LoRA rank r"),
+        "lora_alpha": _float("lora_alpha", "LoRA alpha", "16"),
+        "lora_dropout": _float("lora_dropout", "LoRA dropout (0-1)", "0.05"),
         "lora_targets": Codec(_text("LoRA targets", "all-linear, or q_proj, v_proj", WIDE_CONTROL_WIDTH),
-                              encode_targets, decode_targets),
+                              _exact(encode_targets, decode_targets), decode_targets),
         "quant_bits": Codec(_dropdown("Quantised base", [("4-bit (nf4)", 4), ("8-bit (int8)", 8)])),
         "gradient_checkpointing": Codec(_check("Gradient checkpointing")),
-        "lr": Codec(_float("Learning rate")),
-        "weight_decay": Codec(_float("Weight decay")),
+        "lr": _float("lr", "Learning rate", "1e-3 or 0.001"),
+        "weight_decay": _float("weight_decay", "Weight decay", "0.01"),
         "scheduler": Codec(_dropdown("LR schedule", ["constant", "linear", "cosine"])),
-        "warmup_steps": Codec(_int("Warmup (steps)")),
+        "warmup_steps": _int("warmup_steps", "Warmup (steps)"),
         "max_steps": _with_widget(_optional_int("using epochs"), _text("Max steps", "blank: use epochs")),
         "epochs": _with_widget(_optional_float("using max_steps"), _text("Epochs", "blank: use max steps")),
         "max_grad_norm": _with_widget(_optional_float("no clipping"), _text("Clip grad norm", "blank: off")),
         "packing": Codec(_check("Packing (causal LM)")),
-        "eval_fraction": Codec(_float("Eval fraction (0-1)")),
+        "eval_fraction": _float("eval_fraction", "Eval fraction (0-1)", "0.05"),
         "eval_every": _with_widget(_optional_int("evaluating only at the end"),
                                    _text("Eval every (steps)", "blank: at the end")),
-        "log_every": Codec(_int("Log every (steps)")),
-        "seed": Codec(_int("Seed")),
+        "log_every": _int("log_every", "Log every (steps)"),
+        "seed": _int("seed", "Seed"),
         "output_dir": _with_widget(_optional_str("not saving"),
                                    _text("Output dir", "blank: don't save", WIDE_CONTROL_WIDTH)),
         "nonfinite": Codec(_dropdown("Non-finite step", [("default", _NONFINITE_DEFAULT), ("skip it", "skip"),
@@ -269,7 +408,7 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
                            lambda v: _NONFINITE_DEFAULT if v is None else v,
                            lambda x: None if x == _NONFINITE_DEFAULT else x),
         "chunked_loss": Codec(_check("Chunked loss (causal LM)")),
-        "loss_chunk_tokens": Codec(_int("Loss chunk (tokens)")),
+        "loss_chunk_tokens": _int("loss_chunk_tokens", "Loss chunk (tokens)"),
         "compile": Codec(_check("torch.compile")),
         "lean_layers": Codec(_check("Lean layers")),
         "auto_batch_size": Codec(_check("Auto micro batch")),
@@ -284,13 +423,19 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
                                       "auto, chatml, llama3, alpaca or a Jinja string")),
         "train_on": Codec(_dropdown("Loss on", [("every answer", "completion"), ("last answer", "last"),
                                                 ("all tokens", "all")])),
+        "columns": Codec(_text("Columns", "blank: the format's names · output=answer",
+                               WIDE_CONTROL_WIDTH),
+                         _exact(lambda v: ", ".join(f"{k}={c}" for k, c in (v or {}).items()), decode_columns),
+                         decode_columns),
         "sample_prompts": _lines("Sample prompts", "one prompt per line: answered while it trains"),
         "sample_every": _with_widget(_optional_int("sampling at the end only"),
                                      _text("Sample every (steps)", "blank: at the end")),
-        "max_new_tokens": Codec(_int("Answer length (tokens)")),
+        "max_new_tokens": _int("max_new_tokens", "Answer length (tokens)"),
         "sharding": Codec(_dropdown("Sharding", [("none (DDP)", "none"), ("fsdp (FSDP2)", "fsdp")],
                                     SHARDING_TIP)),
         "reshard_after_forward": Codec(_check("Reshard after forward")),
+        "report_to": Codec(_text("Report to", "blank: none · " + ", ".join(TRACKERS), WIDE_CONTROL_WIDTH),
+                           _exact(lambda v: ", ".join(v or []), decode_trackers), decode_trackers),
     }
 
 

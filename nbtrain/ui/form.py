@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import html
 import json
 from pathlib import Path
 from typing import Callable, Optional
@@ -19,6 +20,44 @@ from ..config import OPTIMIZERS, ConfigError, TrainConfig
 from ..hardware import PRECISIONS
 from . import render
 from .controls import Choice, Codec, make_codecs, processes_control, yaml_codec
+
+
+def preset_lr(model: str) -> float:
+    """The lr a first run on ``model`` starts from: its preset's ``default_lr``, else TrainConfig's default (a
+    pretrained model's fine-tuning lr)."""
+    default = TrainConfig.model_fields["lr"].default
+    try:
+        from ..models import PRESETS
+    except Exception:  # the model package failing to import must not take the panel down
+        return default
+    preset = PRESETS.get(str(model).strip())
+    return float(getattr(preset, "default_lr", default)) if preset is not None else default
+
+
+def default_config() -> TrainConfig:
+    """What ``Panel()`` shows with no config: TrainConfig's defaults, with its model preset's own lr (tiny: 1e-3,
+    where TrainConfig's 3e-4 barely moves the loss of a random-init model in a first short run)."""
+    cfg = TrainConfig()
+    return cfg.replace(lr=preset_lr(cfg.model))
+
+
+def field_error_html(field: str, messages: list[str]) -> str:
+    """The line under a field: what is wrong with the value typed there, naming the field."""
+    return render.small("<br>".join(f"⚠ <b>{render.esc(field)}</b>: {render.esc(m)}" for m in messages), render.RED)
+
+
+def error_box_html(errors: list[dict], where: dict[str, str], inline: set) -> str:
+    """The ⚠ box under the tabs: errors that belong to no field in full; for the fields in ``inline`` (their
+    message is under them) only where they are, so a message is never shown twice."""
+    loose = [e for e in errors if e.get("field") not in inline]
+    marked = list(dict.fromkeys(e.get("field") for e in errors if e.get("field") in inline))
+    parts = [render.errors_html(loose, where)] if loose else []
+    if marked:
+        places = " · ".join(f"{render.esc(where.get(f, 'Training'))} › <b>{render.esc(f)}</b>" for f in marked)
+        parts.append(f'<div style="color:{render.RED};padding:2px 8px">⚠ to fix, marked in red under the field: '
+                     f'{places}</div>')
+    return "".join(parts)
+
 
 # Which tab each field lives on. A field not listed here lands on "Training" (see section_of).
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -258,9 +297,14 @@ class Form:
         self.on_change = on_change
         self.errors: list[dict] = []
         self._holding = False
+        # what the info lines under model and data flag in red (a path not here): Train refuses it, memory waits
+        self._problems: dict[str, str] = {}
         self.codecs = self._make_codecs()
         self.controls: dict[str, widgets.Widget] = {name: codec.make() for name, codec in self.codecs.items()}
         self.help = {name: widgets.HTML(render.small(render.esc(help_text(name)))) for name in self.controls}
+        # one line under each field for what is wrong with its value (hidden while there is nothing)
+        self.field_errors = {name: widgets.HTML(layout=widgets.Layout(display="none", width="100%"))
+                             for name in self.controls}
         for name, w in self.controls.items():
             # The help also on hover, where the row is too narrow to show it beside the field.
             target = w.label if isinstance(w, Choice) else w
@@ -280,6 +324,7 @@ class Form:
         self.tabs = self._build_tabs()
         for w in (*self.controls.values(), self.processes):
             w.observe(self._changed, names="value")
+        self.controls["model"].observe(self._follow_preset_lr, names="value")
 
     # -- construction ------------------------------------------------------------------------
     def _make_codecs(self) -> dict[str, Codec]:
@@ -309,10 +354,14 @@ class Form:
         return {name: codecs.get(name) or yaml_codec(name) for name in TrainConfig.model_fields}
 
     def _row(self, name: str) -> widgets.Widget:
-        w = self.controls[name]
+        w, err = self.controls[name], self.field_errors[name]
         if isinstance(w, Choice):
-            return widgets.VBox([w, self.help[name]])
-        return widgets.HBox([w, self.help[name]], layout=widgets.Layout(align_items="center"))
+            return widgets.VBox([w, self.help[name], err])
+        # The row wraps so that the error line (100% wide) goes under the control; the help's zero basis keeps it
+        # beside the control, shrinking, as before.
+        self.help[name].layout = widgets.Layout(flex="1 1 0%", min_width="0")
+        return widgets.HBox([w, self.help[name], err],
+                            layout=widgets.Layout(align_items="center", flex_flow="row wrap"))
 
     def _build_tabs(self) -> widgets.Tab:
         extra = {"Model": [self.model_info], "Data": [self.data_info], "Precision": [self.precision_info],
@@ -381,7 +430,7 @@ class Form:
         """``(config, [])`` for valid values, else ``(None, errors)``: each error names its field."""
         values, errors = self._values()
         if errors:
-            return None, errors
+            return None, errors + self._other_errors(values, {e["field"] for e in errors})
         try:
             cfg = TrainConfig(**values)
         except ConfigError as e:
@@ -391,15 +440,32 @@ class Form:
         errors = self.machine_errors(values)
         return (None, errors) if errors else (cfg, [])
 
+    def _other_errors(self, values: dict, unread: set) -> list[dict]:
+        """TrainConfig's errors on the fields that did read, with the unread ones at their defaults: every rejected
+        value is said at once, not one after the other as each is fixed."""
+        try:
+            TrainConfig(**{k: v for k, v in values.items() if k not in unread})
+        except ConfigError as e:
+            return [x for x in e.errors if x.get("field") in self.controls and x.get("field") not in unread]
+        except Exception:
+            return []
+        return []
+
     def load_yaml(self, path) -> TrainConfig:
-        """Show the config in a YAML file; on error the controls stay as they were and the error is shown."""
+        """Show the config in a YAML file; on error (raised) the controls stay as they were and the error is shown
+        in the error box, as the file's: the fields still hold their own values, so none is marked."""
         try:
             cfg = TrainConfig.from_yaml(path)
         except (ConfigError, OSError) as e:
-            self.show_errors([{"field": getattr(e, "field", None) or "yaml", "message": str(e)}])
+            self.add_errors([{"field": "yaml", "message": str(e)}])
             raise
         self.config = cfg
         return cfg
+
+    def local_problems(self) -> list[dict]:
+        """What this machine lacks for the current values (a model or data path that is not here), as errors
+        marked ``"shown": "info"``: their message is the red info line under the field already."""
+        return [{"field": f, "message": m, "shown": "info"} for f, m in self._problems.items()]
 
     def save_yaml(self, path) -> Path:
         """Write the current config to a YAML file (raises ConfigError, also shown, when it is invalid)."""
@@ -425,15 +491,42 @@ class Form:
         self._update_accumulation_info(raw)
         self._update_method_fields(raw)
         self._update_processes(raw)
-        self.show_errors(self.validate()[1])
+        # a path that is not here is marked as well (its message is the info line's): the config stays valid, it
+        # may exist where the config runs, but Train here would fail on it
+        self.show_errors(self.validate()[1] + self.local_problems())
 
     def show_errors(self, errors: list[dict]) -> None:
-        """Mark the fields named in ``errors`` red and list the errors in the error box."""
+        """Mark the fields named in ``errors`` red, each message once under its field (or in the info line that
+        already says it); the error box keeps the errors of no field and says where the marked fields are."""
         self.errors = list(errors)
         bad = {e.get("field") for e in errors}
         for name, w in self.controls.items():
             w.layout.border = render.INVALID_BORDER if name in bad else ""
-        self.error.value = render.errors_html(errors, {f: section_of(f) for f in self.controls})
+            messages = list(dict.fromkeys(str(e.get("message", "invalid")) for e in errors
+                                          if e.get("field") == name and not e.get("shown")))
+            line = self.field_errors[name]
+            line.value = field_error_html(name, messages) if messages else ""
+            line.layout.display = "" if messages else "none"
+        self.error.value = error_box_html(errors, {f: section_of(f) for f in self.controls}, bad & set(self.controls))
+
+    def add_errors(self, errors: list[dict]) -> None:
+        """Show ``errors`` (a run's or an estimate's, on a field) with the ones shown now; a field's newer message
+        replaces its older one."""
+        fields = {e.get("field") for e in errors}
+        self.show_errors([e for e in self.errors if e.get("field") not in fields] + list(errors))
+
+    def _follow_preset_lr(self, change) -> None:
+        # A new model moves lr to its own default only while lr holds the old model's default: an lr the user typed
+        # is never changed behind their back.
+        if self._holding:
+            return
+        try:
+            lr = self.codecs["lr"].decode(self.controls["lr"].value)
+        except ValueError:
+            return
+        old, new = preset_lr(change["old"]), preset_lr(change["new"])
+        if lr == old and new != old:
+            self.controls["lr"].value = self.codecs["lr"].encode(new)
 
     def select(self, field: Optional[str]) -> None:
         """Show the tab of ``field`` (when it is one)."""
@@ -441,8 +534,9 @@ class Form:
             self.tabs.selected_index = list(SECTIONS).index(section_of(field))
 
     def _update_model_info(self, raw: dict) -> None:
+        self._problems.pop("model", None)
         name = str(raw["model"]).strip()
-        if not name:   # Path("") is the working directory: say nothing, the error box names the blank field
+        if not name:   # Path("") is the working directory: say nothing, the line under the field names the blank
             self.model_info.value = ""
             return
         try:
@@ -457,6 +551,7 @@ class Form:
             missing = not Path(name).expanduser().exists()
             self.model_info.value = (render.small(_missing_model(name), render.RED) if missing
                                      else render.small(render.esc(e), render.RED))
+            self._problems["model"] = str(e)
             return
         if src.kind == "preset":
             text, color = f"preset: {render.esc(PRESETS[name].description)}", render.GREY
@@ -465,12 +560,14 @@ class Form:
         elif Path(name).suffix.lower() in _MODEL_FILE_SUFFIXES:
             # resolve_source reads it as a Hub id, but it names a model's file, and that file is not here
             text, color = _missing_model(name), render.RED
+            self._problems["model"] = f"no such directory: {name}"
         else:
             text = "Hugging Face Hub id: downloaded on first use (needs network, or the local cache)"
             color = render.GREY
         self.model_info.value = render.small(text, color)
 
     def _update_data_info(self, raw: dict) -> None:
+        self._problems.pop("data", None)
         name = str(raw["data"]).strip()
         color = render.GREY
         if name.startswith("builtin:"):
@@ -494,6 +591,8 @@ class Form:
         else:
             text = "dataset id (Hugging Face Hub): downloaded on first use"
         fmt, fmt_color = data_format_info(raw, self.codecs) if color != render.RED else ("", color)
+        if render.RED in (color, fmt_color):   # a run would fail on it: Train says so before starting
+            self._problems["data"] = html.unescape(text if color == render.RED else fmt)
         self.data_info.value = render.small(text, color) + ("<br>" + render.small(fmt, fmt_color) if fmt else "")
         # The label column only matters for classification, the image column only for images.
         self.controls["label_column"].disabled = raw["task"] == "causal-lm"
@@ -504,9 +603,14 @@ class Form:
             steps = self.codecs["max_steps"].decode(raw["max_steps"])
         except ValueError:
             steps = None   # the error line already says why
-        self.accumulation_info.value = render.accumulation_info_html(
-            raw["micro_batch_size"], raw["grad_accum_steps"], raw["max_seq_len"], raw["task"], raw["packing"],
-            steps)
+        try:
+            micro, accum, seq = (self.codecs[f].decode(raw[f]) for f in
+                                 ("micro_batch_size", "grad_accum_steps", "max_seq_len"))
+        except ValueError:
+            self.accumulation_info.value = ""   # a number that does not read: its own line says why
+            return
+        self.accumulation_info.value = render.accumulation_info_html(micro, accum, seq, raw["task"], raw["packing"],
+                                                                     steps)
 
     def _update_rounding(self, raw: dict) -> None:
         """Stochastic rounding applies to bf16-pure weights updated by AdamW only: otherwise its box is greyed with

@@ -74,6 +74,14 @@ def _processes_line(est, cfg: TrainConfig, processes: int, divided: bool, device
     return "<br>" + render.small(line)
 
 
+def _fix_marked(errors: list[dict]) -> str:
+    """What the status says of settings to fix: where they are, never their messages (those are under the fields)."""
+    fields = list(dict.fromkeys(str(e.get("field")) for e in errors if e.get("field")))
+    if len(fields) == 1:
+        return f"fix the setting marked in red ({render.esc(fields[0])})"
+    return f"fix the settings marked in red ({render.esc(', '.join(fields))})" if fields else "see the ⚠ message"
+
+
 class Panel:
     """Widgets for every TrainConfig field, a live memory estimate, and Train / Stop / Compare buttons.
 
@@ -200,19 +208,33 @@ class Panel:
         self.form.config = cfg
 
     def load_yaml(self, path) -> TrainConfig:
-        """Show the config in a YAML file; on error the controls stay as they were and the error is shown."""
-        cfg = self.form.load_yaml(path)
+        """Show the config in a YAML file; on error (raised) the controls stay as they were, the error is shown
+        once in the ⚠ box by the YAML box, and the status says only that nothing was loaded."""
+        try:
+            cfg = self.form.load_yaml(path)
+        except (ConfigError, OSError) as e:
+            self.runner.set_status("not loaded: see the ⚠ message by the YAML box", render.RED)
+            e.nbtrain_shown = True   # _guard: said already
+            raise
         self.runner.set_status(f"loaded {render.esc(path)}", render.GREY)
         return cfg
 
     def save_yaml(self, path) -> Path:
-        """Write the current config to a YAML file (raises ConfigError, also shown, when it is invalid)."""
-        out = self.form.save_yaml(path)
+        """Write the current config to a YAML file (raises ConfigError when it is invalid: each message is under
+        its field already, the status says only that nothing was saved)."""
+        try:
+            out = self.form.save_yaml(path)
+        except ConfigError as e:
+            self.form.show_errors(e.errors)
+            self.runner.set_status(f"not saved: {_fix_marked(e.errors)}", render.RED)
+            e.nbtrain_shown = True
+            raise
         self.runner.set_status(f"saved {render.esc(path)}", render.GREY)
         return out
 
     # -- memory readout ----------------------------------------------------------------------
     def _schedule_memory(self) -> None:
+        self._refresh_header()
         with self._mem_lock:
             self._mem_gen += 1
             gen = self._mem_gen
@@ -241,6 +263,12 @@ class Panel:
                 timer.start()
                 self._mem_timer = timer
 
+    def _refresh_header(self) -> None:
+        # The header names the precision the Precision field holds now (it follows every change of the form).
+        header = getattr(self, "header", None)
+        if header is not None:
+            header.value = render.header_html(self.caps, str(self.form.controls["precision"].value or "auto"))
+
     def _show_estimating(self) -> None:
         self.memory_estimate = None
         self.memory.value = "<b>Memory</b>: " + render.small("estimating…")
@@ -266,9 +294,11 @@ class Panel:
         if gen != self._mem_gen:
             return None   # the values changed again: a newer estimate is scheduled
         cfg = self.form.validate()[0]
-        est, text = None, None
-        if cfg is None:
-            text = "<b>Memory</b>: " + render.small("— fix the settings above to see the estimate")
+        est, text, marked = None, None, []
+        # Each message is said once, under its field: here only that the estimate waits for it.
+        waiting = "<b>Memory</b>: " + render.small("— waits until you fix the settings marked above")
+        if cfg is None or any(e["field"] == "model" for e in self.form.local_problems()):
+            text = waiting   # a model that is not here has no size to estimate
         else:
             try:
                 from ..memory import estimate_html
@@ -279,14 +309,17 @@ class Panel:
                         + _processes_line(est, cfg, n, divided, self.caps.device))
             except Exception as e:
                 est = None
-                text = "<b>Memory</b>: " + render.small(f"no estimate for these settings: "
-                                                        f"{render.esc(type(e).__name__)}: {render.esc(e)}",
-                                                        render.AMBER)
+                marked = self._field_errors_of(e)
+                text = waiting if marked else ("<b>Memory</b>: " + render.small(
+                    f"no estimate for these settings: {render.esc(type(e).__name__)}: {render.esc(e)}",
+                    render.AMBER))
         with self._mem_lock:
             if gen != self._mem_gen:
                 return est   # computed for values that are no longer shown: not put up
             self.memory_estimate = est
             self.memory.value = text
+            if marked:   # e.g. a Hub id that cannot be fetched: its message goes under the model field
+                self.form.add_errors(marked)
         return est
 
     # -- running -----------------------------------------------------------------------------
@@ -294,21 +327,27 @@ class Panel:
         # Button handlers never raise: ipywidgets would print a traceback into some output area.
         try:
             fn(*args)
-        except ConfigError as e:
-            self.form.show_errors(e.errors)
-            self.runner.set_status("not done: fix the settings marked above", render.RED)
         except Exception as e:
-            self.runner.set_status(f"error: {render.esc(type(e).__name__)}: {render.esc(e)}", render.RED)
+            if getattr(e, "nbtrain_shown", False):
+                return   # fn said it where it belongs already; once is enough
+            if isinstance(e, ConfigError):
+                self.form.show_errors(e.errors)
+                self.runner.set_status(f"not done: {_fix_marked(e.errors)}", render.RED)
+            else:
+                self.runner.set_status(f"error: {render.esc(type(e).__name__)}: {render.esc(e)}", render.RED)
 
     def _start_checks(self) -> Optional[TrainConfig]:
         if self.runner.busy():
             self.runner.set_status("a run is already going: Stop it first", render.AMBER)
             return None
         cfg, errors = self.form.validate()
+        # What this machine lacks (a model or data path that is not here) would only fail the run after it cleared
+        # the screen: refused here, with the field marked; its message stays in the red line under the field.
+        errors = errors + self.form.local_problems()
         self.form.show_errors(errors)
-        if cfg is None:
-            self.form.select(errors[0].get("field") if errors else None)
-            self.runner.set_status("not started: fix the settings marked above", render.RED)
+        if errors:
+            self.form.select(errors[0].get("field"))
+            self.runner.set_status(f"not started: {_fix_marked(errors)}", render.RED)
             return None
         problem = processes_problem(self.caps, self.processes)
         if problem:
@@ -328,17 +367,32 @@ class Panel:
                 return head.group()
         return None
 
+    def _field_errors_of(self, error: BaseException) -> list[dict]:
+        """The errors of ``error`` that belong to a field (the runner's reading of it), with that field's name."""
+        from .runner import _field_errors
+
+        known = []
+        for e in _field_errors(error):
+            field = self._run_error_field(e)
+            if field is not None:
+                known.append({**e, "field": field})
+        return known
+
     def _mark_run_errors(self, errors: list[dict]) -> None:
         # A run that failed on a field (a ConfigError from its prepare phase, a DataError "data: ...", a
-        # ModelError "model 'x': ..."): mark that field as the form marks its own errors, and show its tab.
+        # ModelError "model 'x': ..."): its message goes under that field, once, and its tab is shown; the status
+        # line, set before this with the whole message, then only names the error and points there.
         known = []
         for e in errors:
             field = self._run_error_field(e)
             if field is not None:
                 known.append({**e, "field": field})
         if known:
-            self.form.show_errors(known)
+            self.form.add_errors(known)
             self.form.select(known[0]["field"])
+            kind = next((m.group(1) for m in [re.match(r'<span[^>]*>error: (\w+):', self.status.value or "")] if m),
+                        "error")
+            self.runner.set_status(f"error: {render.esc(kind)}: {_fix_marked(known)}", render.RED)
 
     def _on_train(self) -> None:
         cfg = self._start_checks()

@@ -24,9 +24,11 @@ def status_html(text: str, color: str) -> str:
     return f'<span style="color:{color}">{text}</span>'
 
 
-def header_html(caps) -> str:
-    device_line = (f"· {esc(caps.device)}: {esc(caps.name)} · {caps.total_memory_gib:.1f} GiB"
-                   f" · precision auto → {esc(caps.auto_precision)}")
+def header_html(caps, precision: str = "auto") -> str:
+    """The panel's first line: the device and the precision the Precision field holds ("auto → bf16": what auto
+    resolves to here)."""
+    chosen = f"auto → {esc(caps.auto_precision)}" if precision == "auto" else esc(precision)
+    device_line = f"· {esc(caps.device)}: {esc(caps.name)} · {caps.total_memory_gib:.1f} GiB · precision {chosen}"
     return f"<b>nbtrain</b> {small(device_line)}"
 
 
