@@ -53,6 +53,7 @@ class SeedBand:
     seeds: tuple[int, ...]
     runs: pd.DataFrame            # index step, one column per extra seed
     width: pd.Series              # index step
+    column: str = "loss"          # what it is the band of: "loss", "eval_loss" or "eval_accuracy"
 
     def contains(self, diff: pd.Series) -> pd.Series:
         """Per common step, whether ``diff`` lies inside the band (NaN steps count as inside)."""
@@ -70,7 +71,7 @@ def seed_band(reference_history: Any, seed_histories: Mapping[int, Any], referen
     runs = pd.DataFrame({int(s): _series(h, column).reindex(ref.index) - ref for s, h in seed_histories.items()},
                         index=ref.index).dropna()
     return SeedBand(int(reference_seed), tuple(int(s) for s in seed_histories), runs,
-                    runs.abs().max(axis=1).rename("width"))
+                    runs.abs().max(axis=1).rename("width"), column)
 
 
 def leaves_band(diff: pd.Series, band: SeedBand) -> Optional[int]:
@@ -235,8 +236,10 @@ class Verdict:
     speed: Optional[Speed] = None
     max_abs_diff: float = math.nan          # max |loss - reference loss| over the common steps
     within_noise: Optional[bool] = None     # None without a seed band
-    leaves_band_at: Optional[int] = None    # first step outside the band
-    direction: Optional[str] = None         # "lower" | "higher": the loss's side of the band at that step
+    leaves_band_at: Optional[int] = None    # first step outside the band, on either side
+    direction: Optional[str] = None         # "lower" | "higher": the side most steps outside the band lie on
+    outside: dict[str, list[int]] = field(default_factory=dict)   # "lower"/"higher" -> steps outside on that side
+    judged_steps: int = 0                   # steps held against the band (both runs and the band have a value)
     skipped_steps: int = 0
     nonfinite_steps: int = 0
     scale_first: Optional[float] = None
@@ -269,34 +272,117 @@ def _scale_text(v: float) -> str:
     return f"{v:,.0f}" if v >= 1 else f"{v:.3g}"
 
 
+def _x(v: float) -> str:
+    """A speed ratio: two decimals, or two significant digits below 0.095 (0.034x, not 0.03x)."""
+    return f"{v:.2f}" if v >= 0.095 else f"{v:.2g}"
+
+
+def speed_span(s: Speed) -> str:
+    """The repeats' range with their median, "0.03-0.33x, median 0.09x" ("0.09x, one timing"; "0.95x in all 3"
+    when they agree to two decimals): how a speed ratio is shown everywhere, the range first, so that a spread
+    wider than the value is seen as one."""
+    if s.n == 1:
+        return f"{_x(s.ratio)}x, one timing"
+    if _x(s.low) == _x(s.high):
+        return f"{_x(s.ratio)}x in all {s.n}"
+    return f"{_x(s.low)}-{_x(s.high)}x, median {_x(s.ratio)}x"
+
+
+def _noise(floor: float) -> str:
+    # A half-width of 239% reads as nothing; "3.4x either way" says how wide it is.
+    return f"noise ±{floor:.0%}" if floor < 1 else f"noise {1 + floor:.1f}x either way"
+
+
 def _speed_text(s: Optional[Speed], reference: str) -> str:
     if s is None:
         return "speed not measured"
     if s.n == 1:
-        return f"{s.ratio:.2f}x the speed of {reference} (one timing, spread unknown: use repeats=5)"
+        return f"{_x(s.ratio)}x the speed of {reference} (one timing, spread unknown: use repeats=5)"
+    span = speed_span(s)
     if s.n < MIN_RANKED_REPEATS:
-        return (f"{s.ratio:.2f}x the speed of {reference} ({s.low:.2f}-{s.high:.2f}x over {s.n} timings: too few "
-                "to rank, use repeats=5)")
-    span = f"{s.low:.2f}-{s.high:.2f}x over {s.n} repeats"
+        return f"speed not ranked against {reference} ({span} over {s.n} timings: too few to rank, use repeats=5)"
+    span += " repeats" if span.endswith(f"all {s.n}") else f" over {s.n} repeats"
+    rule = f"{FALSE_RANKING_RATE:.0%} false-ranking rule"
     if s.state == "same":
-        return (f"no measurable speed difference (median {s.ratio:.2f}x, {span}; a difference beyond "
-                f"±{s.floor:.0%} would have been ranked)")
+        # the rule never ranks under MIN_EFFECT, however narrow its half-width
+        return (f"no measurable speed difference from {reference} ({span}; a difference beyond "
+                f"±{max(s.floor, MIN_EFFECT):.0%} would have been ranked, {rule})")
     if s.state == "too noisy":
-        how = ("repeats=5 on a quiet machine" if s.n < 5 else "more repeats or on a quieter machine")
-        return (f"speed too noisy to judge here (±{s.floor:.0%}; median {s.ratio:.2f}x, {span}): rerun with {how}")
-    # ranked means at least MIN_EFFECT away from 1, so two decimals never read "1.00x faster"
-    word, r = ("faster", s.ratio) if s.state == "faster" else ("slower", 1 / s.ratio)
-    return (f"{r:.2f}x {word} (median; {span}; noise ±{s.floor:.0%}, "
-            f"{FALSE_RANKING_RATE:.0%} false-ranking rule)")
+        how = ("repeats=5 on a quiet machine" if s.n < 5 else f"repeats={2 * s.n} or on a quieter machine")
+        return f"speed too noisy to judge here ({span}; {_noise(s.floor)}, {rule}): rerun with {how}"
+    return f"{s.state} than {reference} ({span}; {_noise(s.floor)}, {rule})"
 
 
 # Which way an eval difference (variant - reference) is better: accuracy up, loss down.
 _EVAL_BETTER = {"eval_accuracy": 1.0, "eval_loss": -1.0}
+# Without a seed band, an eval difference is called better or worse only beyond one unit of the last digit the
+# comparison's table prints (eval loss to 4 decimals, accuracy to 0.1%): below it the table shows the two as
+# equal, and for a loss of a few nats it is ~1000x float32's rounding (1.2e-7 relative), far more than summing
+# the eval tokens' losses in another order or another kernel moves it. "eval loss -1.3e-06 (better)" is rounding.
+EVAL_ROUNDING = {"eval_loss": 1e-4, "eval_accuracy": 1e-3}
 
 
-def _eval_text(column: str, diff: float, reference: str) -> str:
-    word = ("same" if diff == 0 else "better" if diff * _EVAL_BETTER[column] > 0 else "worse")
+def _eval_text(column: str, diff: float, reference: str, width: Optional[float] = None) -> str:
+    """``diff`` called better or worse only beyond the seed band's ``width`` at that evaluation (when there is
+    one), and never within rounding (EVAL_ROUNDING)."""
+    better = "better" if diff * _EVAL_BETTER[column] > 0 else "worse"
+    tol = EVAL_ROUNDING[column]
+    if width is not None and math.isfinite(width):
+        word = (f"{better}, beyond seed noise ±{width:.2g}" if abs(diff) > max(width, tol) + EDGE_TOL
+                else f"within seed noise ±{width:.2g}")
+    else:
+        word = better if abs(diff) > tol else "same within rounding"
     return f"{column.replace('_', ' ')} {diff:+.3g} ({word}) vs {reference}"
+
+
+def _steps_text(steps: Sequence[int], most: int = 3) -> str:
+    """"step 2", "steps 2-4, 9", "steps 1, 3, 5 and 2 more": runs of consecutive steps joined."""
+    groups: list[list[int]] = []
+    for k in steps:
+        if groups and k == groups[-1][-1] + 1:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    parts = [f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups]
+    more = len(groups) - most
+    text = ", ".join(parts[:most]) + (f" and {more} more" if more > 0 else "")
+    return ("step " if len(steps) == 1 else "steps ") + text
+
+
+def _loss_text(v: "Verdict", judged: pd.Series, band: SeedBand, reference: str) -> str:
+    """The loss headline against the band, and ``v``'s direction / outside / leaves_band_at set from it.
+
+    The headline gives the side most out-of-band steps lie on (a tie goes to the side of the latest one: where
+    the run ended up), how many of the judged steps, from which step, and the largest signed difference on that
+    side (the largest, not the last: a run that comes back into the band still moved that far). Steps outside
+    on the other side are named after it, "briefly" when they are at most half as many."""
+    out = ~band.contains(judged)
+    sides = {"lower": [int(k) for k in judged.index if out[k] and judged[k] < 0],
+             "higher": [int(k) for k in judged.index if out[k] and judged[k] > 0]}
+    v.outside = {k: st for k, st in sides.items() if st}
+    v.judged_steps = len(judged)
+    if not v.outside:
+        v.within_noise = True
+        return "loss within seed noise at every step"
+    v.within_noise = False
+    v.leaves_band_at = min(st[0] for st in v.outside.values())
+    n_low, n_high = len(sides["lower"]), len(sides["higher"])
+    if n_low != n_high:
+        v.direction = "lower" if n_low > n_high else "higher"
+    else:
+        v.direction = "lower" if sides["lower"][-1] > sides["higher"][-1] else "higher"
+    mine = sides[v.direction]
+    peak = max(mine, key=lambda k: (abs(judged[k]), -k))
+    where = (f"step {mine[0]}: {judged[peak]:+.2g}" if len(mine) == 1
+             else f"from step {mine[0]}; largest {judged[peak]:+.2g} at step {peak}")
+    text = f"loss {v.direction} than {reference} beyond seed noise on {len(mine)} of {len(judged)} steps ({where})"
+    other_side = "higher" if v.direction == "lower" else "lower"
+    other = sides[other_side]
+    if other:
+        how = "briefly" if 2 * len(other) <= len(mine) else "also"
+        ends = ", where it ends" if other[-1] == int(judged.index[-1]) else ""
+        text += f"; {how} {other_side} at {_steps_text(other)}{ends}"
+    return text
 
 
 def verdict(name: str, reference: str, history: Any, reference_history: Any, summary: Mapping[str, Any],
@@ -304,14 +390,17 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
             band: Optional[SeedBand] = None, eval_history: Any = None,
             reference_eval_history: Any = None, scaler: Optional[bool] = None,
             initial_scale: Optional[float] = None, seed_wall_s: Optional[Mapping[int, float]] = None,
-            aa_timings: Sequence[float] = (), lost_updates_text: Optional[str] = None) -> Verdict:
+            aa_timings: Sequence[float] = (), lost_updates_text: Optional[str] = None,
+            eval_bands: Optional[Mapping[str, SeedBand]] = None) -> Verdict:
     """The verdict of one variant that ran, against the reference run (and the seed band when given).
 
     ``initial_scale`` is the loss scale before the first step (the history holds each step's scale after its
     update); ``seed_wall_s`` (seed -> seconds) is what the reference's seed runs cost, stated in its verdict;
     ``aa_timings`` (an identical copy of the reference timed in each repeat) sets the speed's noise floor.
     ``lost_updates_text`` (engine.doctor.lost_updates_line of the run, None when too few updates were lost to
-    report) is said after the loss: it is why a loss of bf16-pure weights can stand still.
+    report) is said after the loss: it is why a loss of bf16-pure weights can stand still. ``eval_bands``
+    (column -> the band of the reference's seed runs' eval differences) is what an eval difference must exceed to
+    be called better or worse; without one it must exceed rounding (EVAL_ROUNDING).
     """
     v = Verdict(name, reference, is_reference=(name == reference))
     v.stopped_reason = summary.get("stopped_reason")
@@ -346,19 +435,7 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
         # Steps where both runs have a loss and the band a width: a run cut before them has nothing to judge.
         judged = diff.reindex(band.width.index).dropna() if band is not None else diff.iloc[:0]
         if band is not None and len(judged):
-            v.leaves_band_at = leaves_band(diff, band)
-            v.within_noise = v.leaves_band_at is None
-            if v.within_noise:
-                v.parts.append("loss within seed noise at every step")
-            else:
-                v.direction = "lower" if diff.loc[v.leaves_band_at] < 0 else "higher"
-                text = f"loss {v.direction} than {reference} beyond seed noise from step {v.leaves_band_at}"
-                # A run that leaves on one side and ends outside on the other says both.
-                last = judged.index[-1]
-                end = "lower" if judged.loc[last] < 0 else "higher"
-                if end != v.direction and not band.contains(judged.loc[[last]]).iloc[0]:
-                    text += f", {end} at its last step ({last})"
-                v.parts.append(text)
+            v.parts.append(_loss_text(v, judged, band, reference))
         elif band is not None:
             v.parts.append("no step to hold against the seed noise band")
         elif math.isfinite(v.max_abs_diff):
@@ -370,7 +447,10 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
             ev = ev.dropna()
             if len(ev):
                 v.eval_diff = (col, float(ev.iloc[-1]))
-                v.parts.append(_eval_text(col, v.eval_diff[1], reference))
+                eb = (eval_bands or {}).get(col)
+                width = eb.width.get(ev.index[-1]) if eb is not None else None
+                v.parts.append(_eval_text(col, v.eval_diff[1], reference,
+                                          float(width) if width is not None else None))
                 break
     if v.lost_updates_text:
         v.parts.append(v.lost_updates_text)

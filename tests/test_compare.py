@@ -252,8 +252,9 @@ def test_repeats_interleave_and_report_medians(monkeypatch):
     runs = []
     collect.on_run_start = lambda info: runs.append(info.variant)
     cmp = compare(small_cfg(max_steps=2), precisions=("fp32", "bf16"), repeats=2, callbacks=[collect])
-    assert [(v, cb) for v, cb, _ in calls] == [(None, False), ("fp32", True), ("bf16", True), ("bf16", False),
-                                                ("fp32", False)]     # warm-up, then A B, B A: rotated
+    assert [(v, cb) for v, cb, _ in calls] == [("fp32 (warm-up)", False), ("bf16 (warm-up)", False),
+                                                ("fp32", True), ("bf16", True), ("bf16", False),
+                                                ("fp32", False)]     # warm-ups, then A B, B A: rotated
     assert cmp.run_order == [["fp32", "bf16"], ["bf16", "fp32"]]
     assert list(cmp.table.order) == ["1, 2", "2, 1"]
     assert runs == ["fp32", "bf16"]           # callbacks see the kept (first) repeat only

@@ -45,7 +45,8 @@ def test_three_variants_take_every_position_once(spy):
     collect = Collect()
     cmp = compare(small_cfg(), variants={"A": {}, "B": {}, "C": {}}, repeats=3, callbacks=[collect])
     square = [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"]]
-    assert [c["variant"] for c in spy] == [None] + [n for order in square for n in order]   # warm-up first
+    assert [c["variant"] for c in spy] == ([f"{n} (warm-up)" for n in "ABC"]                # warm-ups first
+                                           + [n for order in square for n in order])
     assert cmp.run_order == square
     for name in "ABC":   # a Latin square: every variant in every position exactly once
         assert sorted(order.index(name) for order in cmp.run_order) == [0, 1, 2]
@@ -141,7 +142,7 @@ def test_a_bad_input_that_a_variant_overrides_stays_a_row(spy, bad, good):
     t = cmp.table.set_index("variant")
     assert t.status["bad"] == "error" and t.status["good"] == "max_steps"
     assert list(cmp.results) == ["good"] and cmp.reference == "good"
-    assert [c["variant"] for c in spy] == [None, "bad", "good"]
+    assert [c["variant"] for c in spy] == ["bad (warm-up)", "good (warm-up)", "bad", "good"]
 
 
 def test_transformers_load_report_shows_once_per_comparison(capfd):

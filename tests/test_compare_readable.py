@@ -110,7 +110,7 @@ def test_compact_table_has_ten_readable_columns(stopped_cmp):
 
     assert ref["Tokens/s (speed-up)"] == f"{t.loc['fp32', 'tokens_per_s']:,.0f} (ref)"
     assert fp16["Tokens/s (speed-up)"] == (f"{t.loc['fp16', 'tokens_per_s']:,.0f} "
-                                           f"({t.loc['fp16', 'speedup']:.2f}x)")
+                                           f"({t.loc['fp16', 'speedup']:.2f}x, one timing)")
     assert ref["Final loss"] == f"{s32['final_loss']:.4f}" and ref["Eval loss"] == f"{s32['eval_loss']:.4f}"
     assert float(ref["Peak memory (GiB)"]) == pytest.approx(_mem(s32), rel=5e-3)
     assert float(fp16["Peak memory (GiB)"]) == pytest.approx(_mem(s16), rel=5e-3)
@@ -265,9 +265,9 @@ def test_a_run_that_fails_before_any_step_leaves_no_empty_figure(tmp_path):
     panel = Panel(small(data=str(data), subset=None, max_steps=2), debounce_s=0)
     panel.train_button.click()
     assert panel.wait(TIMEOUT) is None and "error" in panel.status.value
-    assert panel.dashboard.widget not in panel.dashboard_area.children
-    shown = " ".join(_texts(panel.dashboard_area))
-    assert "no steps ran" in shown and "waiting for the first step" not in shown
+    # its run never started: nothing of it is put on screen (no empty figure, no "waiting" line; issue 35: a failed
+    # start leaves what the last run showed, here nothing)
+    assert panel.dashboard_area.children == ()
 
 
 def test_a_run_that_fails_after_some_steps_keeps_its_figure(monkeypatch):

@@ -103,8 +103,12 @@ def test_lost_updates_are_in_the_table_and_the_verdict_of_pure_only(cmp):
     pure, ref = cmp.results["pure"].summary, cmp.results["bf16"].summary
     # at lr 1e-5 most bf16 weights cannot move by lr x update; fp32 master weights can
     assert pure["lost_updates"] > LOST_UPDATES_REPORTED > ref["lost_updates"]
-    line = lost_updates_line("bf16-pure", pure["lost_updates_by_step"], False)
+    h = cmp.results["pure"].history
+    line = lost_updates_line("bf16-pure", pure["lost_updates_by_step"], False, dict(zip(h.step, h.lr)))
     assert line and "stochastic_rounding=True" in line
+    at = max(pure["lost_updates_by_step"], key=lambda k: (pure["lost_updates_by_step"][k], -k))
+    assert f"at step {at} where lr is {h.set_index('step').lr[at]:.2g}" in line   # where the most fell, and its lr
+    assert line in cmp.notes["pure"]      # the note under the table says it as the verdict does
     v = cmp.verdicts["pure"]
     assert v.lost_updates_text == line and line in v.text and v.lost_updates == pytest.approx(pure["lost_updates"])
     assert cmp.verdicts["bf16"].lost_updates_text is None and "updates lost" not in cmp.verdicts["bf16"].text
@@ -127,7 +131,8 @@ def test_the_loss_is_judged_against_the_seed_band(cmp):
         assert v.within_noise is not None, v.text   # judged at every step against the band
         assert ("within seed noise" in v.text) == v.within_noise
         if not v.within_noise:
-            assert f"beyond seed noise from step {v.leaves_band_at}" in v.text
+            mine = v.outside[v.direction]
+            assert f"loss {v.direction} than bf16 beyond seed noise on {len(mine)} of {v.judged_steps} steps" in v.text
 
 
 def test_compact_views_show_optimizer_and_weights_where_they_differ(cmp):

@@ -173,8 +173,14 @@ def test_worse_variants_leave_the_band_at_the_step_computed_here_and_identical_i
         assert step is not None, name                                     # the test's premise: it does leave
         v = cmp.verdicts[name]
         assert v.within_noise is False and v.leaves_band_at == step, (name, step, v.text)
-        direction = "higher" if cmp.differences[name].loc[step] > 0 else "lower"   # which way it left
-        assert f"loss {direction} than fp32 beyond seed noise from step {step}" in v.text
+        d = cmp.differences[name].reindex(width.index)
+        out = d.abs() > width + verdicts.EDGE_TOL
+        low, high = list(d.index[out & (d < 0)]), list(d.index[out & (d > 0)])
+        direction = "lower" if (len(low), low[-1:]) > (len(high), high[-1:]) else "higher"   # the side most lie on
+        mine = low if direction == "lower" else high
+        assert v.direction == direction
+        judged = int(d.notna().sum())   # the steps both runs and the band have
+        assert f"loss {direction} than fp32 beyond seed noise on {len(mine)} of {judged} steps" in v.text
     same = cmp.verdicts["same"]
     assert same.within_noise is True and same.leaves_band_at is None and same.max_abs_diff == 0.0
     assert "loss within seed noise at every step" in same.text
@@ -262,10 +268,14 @@ def test_speed_is_a_paired_ratio_with_its_spread_and_a_flip_is_no_ranking(monkey
     spread = (max(ratios) - min(ratios)) / 2
     assert v.speed.spread == pytest.approx(spread)
     cell = cmp.compact_table().set_index("Variant").loc["b", "Tokens/s (speed-up)"]
-    assert cell.endswith(f"({statistics.median(ratios):.2f}x ±{spread:.2f})")
+    # the range first, then the median: never a ± that can be wider than the value
+    assert cell.endswith(f"({min(ratios):.2f}-{max(ratios):.2f}x, median {statistics.median(ratios):.2f}x)")
+    assert "±" not in cell
+    assert f"{min(ratios):.2f}-{max(ratios):.2f}x, median {statistics.median(ratios):.2f}x" in cmp.format_table()
     t = cmp.table.set_index("variant")
     assert t.loc["b", "speedup"] == pytest.approx(statistics.median(ratios))
     assert t.loc["b", "speedup_spread"] == pytest.approx(spread)
+    assert (t.loc["b", "speedup_low"], t.loc["b", "speedup_high"]) == pytest.approx((min(ratios), max(ratios)))
     if min(ratios) < 1 < max(ratios):   # three repeats that disagree on the order: no claim either way
         assert v.speed.state == "too noisy" and "speed too noisy to judge here" in v.text
         assert "faster" not in v.text and "slower" not in v.text and "no measurable" not in v.text
@@ -279,8 +289,8 @@ def test_speed_is_a_paired_ratio_with_its_spread_and_a_flip_is_no_ranking(monkey
                                                             pytest.approx(alone.ratio))
     assert t.loc["b", "noise_floor"] == pytest.approx(v.speed.floor)
     if not min(ratios) < 1 < max(ratios):
-        assert v.text.startswith(f"b: {statistics.median(ratios):.2f}x faster (median; {min(ratios):.2f}-"
-                                 f"{max(ratios):.2f}x over 3 repeats; noise ±{v.speed.floor:.0%}")
+        assert v.text.startswith(f"b: faster than a ({min(ratios):.2f}-{max(ratios):.2f}x, median "
+                                 f"{statistics.median(ratios):.2f}x over 3 repeats; noise ±{v.speed.floor:.0%}")
     assert bool(t.loc["b", "speed_measurable"]) is (not min(ratios) < 1 < max(ratios))
     # The figure's throughput bars carry the repeats' range.
     bars = find_traces(cmp.figure(), kind="tokens_per_s")[0]
@@ -296,7 +306,7 @@ def test_one_timing_is_never_a_ranking(judged):
         text = cmp.verdicts[name].text
         assert "one timing, spread unknown" in text and "faster" not in text and "slower" not in text
     cell = cmp.compact_table().set_index("Variant").loc["same", "Tokens/s (speed-up)"]
-    assert "±" not in cell
+    assert "±" not in cell and cell.endswith(f"({cmp.verdicts['same'].speed.ratio:.2f}x, one timing)")
 
 
 # -- the Panel and the command line ----------------------------------------------------------------------------
@@ -315,9 +325,11 @@ def test_panel_noise_band_control_runs_the_seeds_and_shows_verdicts_and_the_diff
     cmp = panel.wait(TIMEOUT)
     assert cmp is not None and cmp.seeds == (5, 6) and list(cmp.seed_results) == [6]
     assert cmp.band is not None and cmp.seed_results[6].config.seed == 6
-    assert 'class="nbt-verdicts"' in panel.comparison_table.value
-    assert "seed noise from seed runs 6" in panel.comparison_table.value
-    assert panel.difference_view in panel.dashboard_area.children
+    assert 'class="nbt-verdicts"' in panel.verdicts.value
+    assert "seed noise from seed runs 6" in panel.verdicts.value
+    # one variant: the live figure had no difference row; the difference panel comes after it, with the band
+    assert panel.dashboard_area.children[:2] == (panel.verdicts, panel.comparison_table)
+    assert panel.dashboard_area.children[-1] is panel.difference_view
     data = panel.difference_view.outputs[0]["data"]["application/vnd.plotly.v1+json"]
     kinds = [t["meta"]["kind"] for t in data["data"]]
     assert kinds[:2] == ["noise_band_high", "noise_band_low"]

@@ -64,16 +64,20 @@ def test_when_the_data_cannot_support_a_claim_the_verdict_says_so_and_how_to_get
     s = V.speed([120, 60, 121], [100, 101, 99])
     assert s.state == "too noisy" and not s.measurable and s.floor > V.JUDGEABLE
     text = V._speed_text(s, "a")
-    assert text.startswith(f"speed too noisy to judge here (±{s.floor:.0%}; median {s.ratio:.2f}x")
+    # the range first, then the median, then the half-width and the rule's error rate
+    assert text.startswith(f"speed too noisy to judge here ({s.low:.2f}-{s.high:.2f}x, median {s.ratio:.2f}x over 3 "
+                           f"repeats; noise {1 + s.floor:.1f}x either way, {V.FALSE_RANKING_RATE:.0%} false-ranking rule)")
     assert "rerun with repeats=5 on a quiet machine" in text
     assert "no measurable" not in text and "faster" not in text and "slower" not in text
     # a quiet A/A: nothing beyond a small half-width, said as a measured "no difference"
     same = V.speed([100.5, 99.8, 100.2, 100.1, 99.9], [100, 100.3, 99.9, 100.2, 100])
     assert same.state == "same" and same.floor <= V.JUDGEABLE
-    assert V._speed_text(same, "a").startswith("no measurable speed difference (median 1.00x")
+    assert V._speed_text(same, "a").startswith("no measurable speed difference from a (1.00x in all 5 repeats; a "
+                                               f"difference beyond ±{V.MIN_EFFECT:.0%} would have been ranked")
     # fewer than three repeats never rank, and say what to do
     assert V.speed([150, 151], [100, 100]).state == "too few"
-    assert "use repeats=5" in V._speed_text(V.speed([150, 151], [100, 100]), "a")
+    assert V._speed_text(V.speed([150, 151], [100, 100]), "a") == (
+        "speed not ranked against a (1.50-1.51x, median 1.50x over 2 timings: too few to rank, use repeats=5)")
 
 
 def test_the_rule_is_symmetric_and_scale_free():

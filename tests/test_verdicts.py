@@ -68,8 +68,8 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
                      timings=[160, 150, 170], reference_timings=[100, 100, 100], band=band)
     assert good.within_noise and good.leaves_band_at is None
     assert good.max_abs_diff == pytest.approx(0.05)
-    assert good.text == (f"bf16: 1.60x faster (median; 1.50-1.70x over 3 repeats; noise ±{good.speed.floor:.0%}, "
-                         "1% false-ranking rule), loss within seed noise at every step")
+    assert good.text == (f"bf16: faster than fp32 (1.50-1.70x, median 1.60x over 3 repeats; noise "
+                         f"±{good.speed.floor:.0%}, 1% false-ranking rule), loss within seed noise at every step")
     assert good.speed == V.speed([160, 150, 170], [100, 100, 100])
 
     fp16 = hist([5.0, 5.0, 5.0, 3.5], scale=[65536.0, 32768.0, 16384.0, 8192.0])
@@ -80,9 +80,10 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
     assert (bad.scale_first, bad.scale_min) == (65536.0, 8192.0)
     assert bad.direction == "higher"
     assert bad.speed.state == "too noisy"   # three repeats that disagree, ±9% jitter: no claim either way
-    assert bad.text == (f"fp16: speed too noisy to judge here (±{bad.speed.floor:.0%}; median 1.01x, 0.95-1.05x over "
-                        "3 repeats): rerun with repeats=5 on a quiet machine, loss higher than fp32 "
-                        "beyond seed noise from step 2, 3 skipped steps (scale 65,536 → 8,192)")
+    assert bad.text == (f"fp16: speed too noisy to judge here (0.95-1.05x, median 1.01x over 3 repeats; noise "
+                        f"±{bad.speed.floor:.0%}, 1% false-ranking rule): rerun with repeats=5 on a quiet machine, "
+                        "loss higher than fp32 beyond seed noise on 3 of 4 steps (from step 2; largest +2 at step 3), "
+                        "3 skipped steps (scale 65,536 → 8,192)")
 
     ref_v = V.verdict("fp32", "fp32", ref, ref, {"skipped_steps": 0}, band=band)
     assert ref_v.is_reference and ref_v.text == "fp32: the reference (seed noise from seeds 1, 2)"
@@ -111,6 +112,33 @@ def test_eval_difference_is_in_the_verdict():
     assert "eval loss -0.1 (better) vs full" in loss_only.text
 
 
+def test_an_eval_difference_is_better_or_worse_only_beyond_rounding_or_the_seed_band():
+    ref = hist([5.0, 4.0])
+    ev_ref = pd.DataFrame({"step": [2], "eval_loss": [4.5]})
+    def say(diff, **kw):
+        return V.verdict("bf16", "fp32", hist([5.0, 4.0]), ref, {}, eval_history=ev_ref.assign(eval_loss=4.5 + diff),
+                         reference_eval_history=ev_ref, **kw).text
+    # no band: a difference the table's 4 decimals cannot show is rounding, not better
+    assert "eval loss -1.3e-06 (same within rounding) vs fp32" in say(-1.3e-6)
+    assert "better" not in say(-1.3e-6) and "worse" not in say(+9e-5)
+    assert "eval loss +0.002 (worse) vs fp32" in say(0.002)
+    # a band of the seed runs' eval differences: inside it, neither better nor worse
+    seeds = {1: ev_ref.assign(eval_loss=4.53), 2: ev_ref.assign(eval_loss=4.48)}
+    band = V.seed_band(ev_ref, seeds, 0, column="eval_loss")
+    assert band.column == "eval_loss" and band.width.loc[2] == pytest.approx(0.03)
+    inside = say(-0.02, eval_bands={"eval_loss": band})
+    assert "eval loss -0.02 (within seed noise ±0.03) vs fp32" in inside
+    assert "better" not in inside and "worse" not in inside
+    assert "eval loss -0.05 (better, beyond seed noise ±0.03) vs fp32" in say(-0.05, eval_bands={"eval_loss": band})
+    # a band of another column says nothing of this one
+    assert "(better) vs fp32" in say(-0.05, eval_bands={"eval_accuracy": band})
+    # accuracy: one unit of the table's 0.1% is the rounding
+    acc_ref = pd.DataFrame({"step": [2], "eval_loss": [4.5], "eval_accuracy": [0.5]})
+    acc = V.verdict("b", "a", hist([5.0, 4.0]), ref, {}, eval_history=acc_ref.assign(eval_accuracy=0.5 + 4e-4),
+                    reference_eval_history=acc_ref)
+    assert "eval accuracy +0.0004 (same within rounding) vs a" in acc.text
+
+
 def test_two_agreeing_repeats_are_too_few_to_rank():
     """Two identical variants order the same way in two repeats half the time: no ranking below three."""
     two = V.speed([105, 104], [100, 100])
@@ -135,14 +163,15 @@ def test_noise_floor_is_the_rules_half_width_for_the_reference_or_the_aa_copy_ne
     assert noisy.low > 1 and not noisy.measurable and noisy.state == "too noisy"
     v = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[110, 120, 105],
                   reference_timings=[100, 110, 95])
-    assert f"speed too noisy to judge here (±{noisy.floor:.0%}; median 1.10x" in v.text
+    assert f"speed too noisy to judge here (1.09-1.11x, median 1.10x over 3 repeats; noise ±{noisy.floor:.0%}" in v.text
     # agreeing repeats, a quiet machine, but 2% is under the minimum effect: a measured "no difference"
     quiet = V.speed([102, 102, 102], [100, 100, 100])
-    assert quiet.state == "same" and "no measurable speed difference (median 1.02x" in V._speed_text(quiet, "a")
+    assert quiet.state == "same" and V._speed_text(quiet, "a").startswith(
+        "no measurable speed difference from a (1.02x in all 3 repeats; a difference beyond")
     # the same difference stated as slower is judged alike (1/0.95 - 1 > 3%)
     slow = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[95, 95, 95],
                      reference_timings=[100, 100, 100])
-    assert slow.speed.measurable and slow.text.startswith("b: 1.05x slower (median; 0.95-0.95x over 3 repeats")
+    assert slow.speed.measurable and slow.text.startswith("b: slower than a (0.95x in all 3 repeats; noise ±")
     # an A/A copy that strayed 6%: its half-width widens the variant's, and 5% is no longer ranked
     aa = V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.0]), {}, timings=[95, 95, 95],
                    reference_timings=[100, 100, 100], aa_timings=[100, 106, 100])
@@ -151,26 +180,42 @@ def test_noise_floor_is_the_rules_half_width_for_the_reference_or_the_aa_copy_ne
 
 def test_no_ratio_of_one_is_ever_called_faster_or_slower():
     rng = np.random.default_rng(0)
-    import re
-
     for _ in range(2000):
         n = int(rng.integers(1, 6))
         ref = list(100 * (1 + rng.normal(0, 0.02, n)))
         var = list(np.array(ref) * (1 + rng.normal(0, 0.03, n)))
         text = V._speed_text(V.speed(var, ref), "a")
-        assert not re.search(r"1\.00x (faster|slower)", text), text
-        if "faster" in text or "slower" in text:
-            assert V.speed(var, ref).measurable
+        s = V.speed(var, ref)
+        assert ("faster" in text or "slower" in text) == s.measurable, text
+        if s.measurable:   # ranked means at least MIN_EFFECT away from 1: the median never reads 1.00x
+            assert f"median {s.ratio:.2f}x" in text and f"{s.ratio:.2f}" != "1.00", text
 
 
 def test_the_loss_verdict_says_which_way_the_loss_went():
     ref = hist([5.0, 4.0, 3.0, 2.0])
     band = V.seed_band(ref, {1: hist([5.1, 4.1, 3.1, 2.1])}, 0)
     lower = V.verdict("lr10", "a", hist([5.0, 3.5, 2.0, 1.0]), ref, {}, band=band)
-    assert lower.direction == "lower" and "loss lower than a beyond seed noise from step 2" in lower.text
+    assert lower.direction == "lower" and lower.leaves_band_at == 2 and lower.judged_steps == 4
+    assert "loss lower than a beyond seed noise on 3 of 4 steps (from step 2; largest -1 at step 3)" in lower.text
+    assert lower.outside == {"lower": [2, 3, 4]}
     higher = V.verdict("lr1000", "a", hist([5.0, 4.05, 7.0, 9.0]), ref, {}, band=band)
-    assert higher.direction == "higher" and "loss higher than a beyond seed noise from step 3" in higher.text
-    assert "at its last step" not in higher.text
-    # left below the band, ended above it: both are said
+    assert higher.direction == "higher" and higher.leaves_band_at == 3
+    assert "loss higher than a beyond seed noise on 2 of 4 steps (from step 3; largest +7 at step 4)" in higher.text
+    assert ";" not in higher.text.split("(from step 3; ")[1]   # nothing on the other side to name
+    # one step on each side: a tie goes to the side where the run ended up, the other is named
     both = V.verdict("x", "a", hist([5.0, 3.5, 3.0, 4.0]), ref, {}, band=band)
-    assert "loss lower than a beyond seed noise from step 2, higher at its last step (4)" in both.text
+    assert both.direction == "higher" and both.leaves_band_at == 2
+    assert "loss higher than a beyond seed noise on 1 of 4 steps (step 4: +2); also lower at step 2" in both.text
+    # mostly lower, but the last step is above the band: said, with where it ends
+    ends = V.verdict("y", "a", hist([5.0, 3.5, 2.0, 1.0, 1.0, 9.0]), hist([5.0, 4.0, 3.0, 2.0, 1.5, 1.0]), {},
+                     band=V.seed_band(hist([5.0, 4.0, 3.0, 2.0, 1.5, 1.0]), {1: hist([5.1, 4.1, 3.1, 2.1, 1.6, 1.1])},
+                                      0))
+    assert ends.direction == "lower"
+    assert ends.text.endswith("on 4 of 6 steps (from step 2; largest -1 at step 3); briefly higher at step 6, "
+                              "where it ends")
+
+
+def test_steps_are_named_in_runs():
+    assert V._steps_text([2]) == "step 2"
+    assert V._steps_text([2, 3, 4, 9]) == "steps 2-4, 9"
+    assert V._steps_text([1, 3, 5, 7, 9]) == "steps 1, 3, 5 and 2 more"

@@ -23,7 +23,7 @@ from .._version import __version__
 from ..hardware import capabilities
 
 _TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "optimizer",
-                 "weights_dtype", "steps", "order", "wall_s", "tokens_per_s", "speedup", "speedup_spread",
+                 "weights_dtype", "steps", "order", "wall_s", "tokens_per_s", "speedup",
                  "peak_vram_gib", "peak_host_rss_gib", "peak_host_tensors_gib", "est_weights_gib",
                  "est_master_weights_gib", "est_gradients_gib", "est_optimizer_gib", "est_total_gib", "final_loss",
                  "eval_loss", "eval_perplexity", "eval_accuracy", "max_abs_loss_diff", "skipped_steps",
@@ -66,7 +66,8 @@ def _fmt_gib(v: float) -> str:
 
 
 _FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.0f}",
-            "tokens_per_s_spread": "{:,.0f}", "speedup": "{:.2f}x", "speedup_spread": "±{:.2f}",
+            "tokens_per_s_spread": "{:,.0f}", "speedup": "{:.2f}x", "speedup_low": "{:.2f}x",
+            "speedup_high": "{:.2f}x", "speedup_spread": "{:.2f}",
             "noise_floor": "±{:.1%}", "peak_vram_gib": _fmt_gib,
             "peak_host_rss_gib": _fmt_gib, "peak_host_tensors_gib": _fmt_gib, "final_loss": "{:.4f}",
             "eval_loss": "{:.4f}", "eval_perplexity": "{:.1f}", "eval_accuracy": "{:.3f}",
@@ -119,6 +120,11 @@ class ComparisonViews:
                                  band=self.band)
 
 
+    def _speed(self, variant: str):
+        """``variant``'s speed against the reference (verdicts.Speed, as its verdict judged it), or None."""
+        v = self.verdicts.get(variant)
+        return v.speed if v is not None else None
+
     def _eval_column(self) -> str:
         # Classification is judged by accuracy; a comparison with any causal LM keeps the loss.
         return ("eval_accuracy" if "eval_accuracy" in self.table.columns
@@ -144,10 +150,9 @@ class ComparisonViews:
             tps = _cell(r.tokens_per_s, lambda v: f"{v:,.0f}")
             if tps != MISSING and r.variant == self.reference:
                 tps += " (ref)"
-            elif tps != MISSING and math.isfinite(r.speedup):
-                # With repeats, the ratio's spread goes with it: an ordering inside it is no ranking.
-                spread = f" ±{r.speedup_spread:.2f}" if math.isfinite(r.speedup_spread) else ""
-                tps += f" ({r.speedup:.2f}x{spread})"
+            elif tps != MISSING and self._speed(r.variant) is not None:
+                # The repeats' range first, then their median: a spread wider than the value cannot hide in a ±.
+                tps += f" ({_verdicts.speed_span(self._speed(r.variant))})"
             mem, _ = self._memory(r)
             diff = ("ref" if ran and r.variant == self.reference
                     else _cell(r.max_abs_loss_diff, _fmt_diff) if ran else MISSING)
@@ -230,8 +235,8 @@ class ComparisonViews:
             lines += [f"peak memory: {_MEMORY_NOTES[src]}" for src in ("vram", "tensors", "rss") if src in sources]
         if self.repeats > 1:
             lines.append(f"tokens/s: median of {self.repeats} interleaved repeats, the order rotated each repeat "
-                         f"(the table's order column); speed-up: median of the per-repeat ratios to "
-                         f"{self.reference!r}, ± half their range")
+                         f"(the table's order column); speed-up: the range of the per-repeat ratios to "
+                         f"{self.reference!r}, then their median")
         lines += self._floor_lines()
         lines += self._seed_lines()
         if self.stopped:
@@ -245,7 +250,8 @@ class ComparisonViews:
             return []
         ref, rate = self.reference, f"{_verdicts.FALSE_RANKING_RATE:.0%}"
         rule = (f"speed rule: the median of the per-repeat log-ratios against a robust spread, calibrated to rank "
-                f"identical variants in at most {rate} of comparisons; each variant's ± is its own half-width")
+                f"identical variants in at most {rate} of comparisons; each verdict's noise ± is that variant's own "
+                f"half-width")
         if not math.isfinite(self.noise_floor):
             line = (f"noise floor unknown (fewer than {_verdicts.MIN_RANKED_REPEATS} whole repeats of the "
                     "reference): no speed difference is ranked")
@@ -338,8 +344,8 @@ class ComparisonViews:
         lines += ["", self._formatted(cols).to_string(index=False), ""]
         if self.repeats > 1:
             lines.append(f"tokens_per_s and wall_s: medians of {self.repeats} interleaved repeats, the order "
-                         "rotated each repeat (order: the variant's position in each); speedup: median of the "
-                         "per-repeat ratios, ± half their range (spreads in .table)")
+                         "rotated each repeat (order: the variant's position in each); speedup: the range of the "
+                         "per-repeat ratios, then their median (spreads in .table)")
         lines += self._floor_lines()
         lines += self._seed_lines()
         for r in self.table.itertuples():
@@ -357,6 +363,9 @@ class ComparisonViews:
                 continue
             f = _FORMATS.get(c, "{:.6g}" if values.dtype.kind == "f" else "{}")
             out[c] = [missing if pd.isna(v) else f(v) if callable(f) else f.format(v) for v in values]
+            if c == "speedup":   # the range and the median, as the compact table and the verdicts show it
+                spans = [self._speed(n) for n in self.table["variant"]]
+                out[c] = [_verdicts.speed_span(sp) if sp is not None else x for sp, x in zip(spans, out[c])]
         return pd.DataFrame(out)
 
     def _fairness_line(self) -> str:

@@ -21,7 +21,7 @@ from .. import verdicts as _verdicts
 from ..config import TrainConfig
 from ..hardware import capabilities, default_device, resolve_precision
 from ..precision import PRECISION_TABLE
-from ..engine.doctor import lost_updates_line
+from ..engine.doctor import lost_updates_of, notes_with_lr
 from ..engine.sampling import sample_frame, side_by_side
 from .render import ComparisonViews
 
@@ -123,10 +123,10 @@ def _not_run_why(o: _Outcome) -> str:
 
 def _speed_columns(sp: Optional[_verdicts.Speed], floor: float) -> dict[str, Any]:
     if sp is None:
-        return {"speedup": math.nan, "speedup_spread": math.nan, "noise_floor": floor, "speed_measurable": None,
-                "speed_state": None}
+        return {"speedup": math.nan, "speedup_low": math.nan, "speedup_high": math.nan, "speedup_spread": math.nan,
+                "noise_floor": floor, "speed_measurable": None, "speed_state": None}
     # the half-width this variant was judged against (its own: the rule's, or the A/A copy's where wider)
-    return {"speedup": sp.ratio, "speedup_spread": sp.spread,
+    return {"speedup": sp.ratio, "speedup_low": sp.low, "speedup_high": sp.high, "speedup_spread": sp.spread,
             "noise_floor": sp.floor if math.isfinite(sp.floor) else floor, "speed_measurable": bool(sp.measurable),
             "speed_state": sp.state}
 
@@ -134,7 +134,8 @@ def _speed_columns(sp: Optional[_verdicts.Speed], floor: float) -> dict[str, Any
 def _run_notes(o: _Outcome, caps) -> list[str]:
     """Notes a finished run earns: slow precision, skipped / non-finite steps, an early stop."""
     s = o.result.summary
-    notes = list(s.get("notes") or [])   # the engine's own: an out-of-memory stop, auto batch size, a resume
+    # the engine's own: an out-of-memory stop, auto batch size, a resume; lost updates said as the verdict says them
+    notes = notes_with_lr(list(s.get("notes") or []), o.result)
     for option in (s["precision_used"], o.config.method, o.config.optimizer):
         if caps.notes.get(option):   # name the option unless the variant is already named after it
             notes.append(caps.notes[option] if option == o.name else f"{option}: {caps.notes[option]}")
@@ -204,7 +205,7 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             "wall_s_spread": _spread([w for _, w in o.timings]),
             "tokens_per_s": tps,
             "tokens_per_s_spread": _spread([t for t, _ in o.timings]),
-            # Paired by repeat (repeat r of every variant ran back to back): the median ratio and half its range,
+            # Paired by repeat (repeat r of every variant ran back to back): the median ratio, its range and half it,
             # judged by the speed rule (widened by an A/A copy's half-width), as the verdicts judge it.
             **_speed_columns(_verdicts.speed([t for t, _ in o.timings], ref_tps, aa_floor), floor),
             "peak_vram_gib": _float_or_nan(s.get("peak_vram_gib")),
@@ -354,8 +355,25 @@ class ComparisonResult(ComparisonViews):
         #: the reference's seed-to-seed noise (verdicts.SeedBand), None without seed runs
         self.band = (_verdicts.seed_band(ref.history, whole, self.reference_seed)
                      if ref is not None and whole else None)
+        #: the same for the evaluations ("eval_loss", and "eval_accuracy" for classification) -> SeedBand, where
+        #: the reference and its whole seed runs evaluated at common steps: an eval difference inside it is no
+        #: better or worse
+        self.eval_bands = self._eval_bands(ref, whole)
         #: variant -> verdicts.Verdict, the one-line answer (``.text``), every number from the runs above
         self.verdicts = {o.name: self._verdict(o) for o in outcomes}
+
+    def _eval_bands(self, ref, whole: Mapping[int, Any]) -> dict[str, _verdicts.SeedBand]:
+        if ref is None or not whole:
+            return {}
+        out = {}
+        for col in ("eval_loss", "eval_accuracy"):
+            seeds = {s: self.seed_results[s].eval_history for s in whole
+                     if _has_values(self.seed_results[s].eval_history, col)}
+            band = (_verdicts.seed_band(ref.eval_history, seeds, self.reference_seed, column=col)
+                    if seeds and _has_values(ref.eval_history, col) else None)
+            if band is not None and len(band.width):
+                out[col] = band
+        return out
 
     def _verdict(self, o: _Outcome) -> _verdicts.Verdict:
         res, ref = o.result, self.results.get(self.reference)
@@ -368,10 +386,8 @@ class ComparisonResult(ComparisonViews):
             timings=[t for t, _ in o.timings], reference_timings=[t for t, _ in self.timings[self.reference]],
             band=self.band, eval_history=res.eval_history, reference_eval_history=ref.eval_history,
             scaler=scaler, initial_scale=_initial_scale(res.history) if scaler else None,
-            seed_wall_s=self.seed_wall_s, aa_timings=self.aa_timings,
-            lost_updates_text=lost_updates_line(res.summary.get("precision_used") or o.config.precision,
-                                                res.summary.get("lost_updates_by_step"),
-                                                bool(o.config.stochastic_rounding)))
+            seed_wall_s=self.seed_wall_s, aa_timings=self.aa_timings, eval_bands=self.eval_bands,
+            lost_updates_text=lost_updates_of(res))
         if o.fair is False:
             v.parts.append(f"NOT FAIR: not paired with {self.reference} (see its notes)")
         return v

@@ -104,8 +104,9 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     around the reference's is the noise band a variant's difference is judged against (``band``,
     ``verdicts``); the extra runs are in ``seed_results`` with their wall times. ``callbacks``
     (e.g. one LiveDashboard) see every variant's first repeat; records carry ``.variant``. ``warmup``
-    first runs two untimed steps of the first variant, so that the reference does not pay alone for
-    what a process does once (lazy imports, kernel and allocator set-up) and look slow. On a GPU the
+    first runs every variant untimed for a step or two (two for the first: what a process does once, lazy imports
+    and allocator set-up, lands there; one for each other: its precision's own kernels and paths), so that no
+    timed run is a cold one and the first variant does not look slow. On a GPU the
     models kept in ``results`` are moved to the CPU between variants, so that they do not count in the
     next variant's peak memory. ``stop`` (a ``threading.Event``, set from any thread) ends the comparison:
     the running variant stops after its current step, the later ones never start. An interrupt (Ctrl-C)
@@ -290,26 +291,38 @@ def _run_variant(o: _Outcome, cfg: TrainConfig, callbacks, first: bool, stop=Non
         return None
 
 
+# Untimed optimizer steps before the timings: the first variant's take what the process does once (imports,
+# allocator and thread-pool set-up), every other variant's its own precision's first kernels and code paths, which
+# its first step meets. One step each keeps the cost small: fp16 emulated on a CPU is ~10x slower than fp32.
+WARMUP_STEPS_FIRST = 2
+WARMUP_STEPS = 1
+
+
 def _warm_up(runnable: list[_Outcome], stop=None) -> Optional[str]:
-    """Two untimed steps of the first runnable variant, results discarded; "interrupted" or "stopped" when the
-    user ended them. A bad input that every variant shares is raised here, before any variant runs."""
-    if not runnable or _stop_requested(stop):
-        return _stop_requested(stop)
-    cfg = runnable[0].config
-    try:
-        res = _loop._run(_unrecorded(cfg, max_steps=2, eval_every=None), None,
-                         stop_event=_RunStop(stop))
-    except KeyboardInterrupt:
-        return "interrupted"
-    except Exception as e:  # noqa: BLE001 - the timed run of this variant reports the failure in its row
-        shared = _shared_input_error(e, cfg, runnable)
-        if shared is not None:
-            raise shared from e
-        return _stop_requested(stop)
-    halted = "interrupted" if res.summary["stopped_reason"] == "interrupted" else _stop_requested(stop)
-    del res
-    _release_memory()
-    return halted
+    """A few untimed steps of every runnable variant (WARMUP_STEPS_FIRST of the first, WARMUP_STEPS of the others),
+    results discarded; "interrupted" or "stopped" when the user ended them. A bad input that every variant shares
+    is raised at the first, before any variant runs; another variant's failure is left to its timed run's row."""
+    for i, o in enumerate(runnable):
+        halted = _stop_requested(stop)
+        if halted:
+            return halted
+        steps = WARMUP_STEPS_FIRST if i == 0 else WARMUP_STEPS
+        try:
+            res = _loop._run(_unrecorded(o.config, max_steps=steps, eval_every=None), None,
+                             stop_event=_RunStop(stop), variant=f"{o.name} (warm-up)")
+        except KeyboardInterrupt:
+            return "interrupted"
+        except Exception as e:  # noqa: BLE001 - the timed run of this variant reports the failure in its row
+            shared = _shared_input_error(e, o.config, runnable) if i == 0 else None
+            if shared is not None:
+                raise shared from e
+            continue
+        reason = res.summary["stopped_reason"]
+        del res
+        _release_memory()
+        if reason == "interrupted":
+            return "interrupted"
+    return _stop_requested(stop)
 
 
 def _shared_input_error(e: Exception, failed: TrainConfig, runnable: list[_Outcome]) -> Optional[Exception]:

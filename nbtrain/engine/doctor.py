@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import pandas as pd
 import torch
@@ -101,7 +101,8 @@ def diagnose(history, summary: dict, cfg=None) -> list[Finding]:
                              {"share": share}, _advice(cfg, scaler=True)))
     by_step = summary.get("lost_updates_by_step")
     precision = summary.get("precision_used") or (cfg.precision if cfg is not None else "")
-    line = lost_updates_line(precision, by_step, bool(cfg is not None and cfg.stochastic_rounding))
+    lrs = history_lrs(h)
+    line = lost_updates_line(precision, by_step, bool(cfg is not None and cfg.stochastic_rounding), lrs)
     if line:
         first = min(int(k) for k in by_step)
         advice = ([] if cfg is not None and cfg.stochastic_rounding else
@@ -247,22 +248,69 @@ class LostUpdates:
 LOST_UPDATES_REPORTED = 0.05
 
 
-def lost_updates_line(precision: str, by_step: Optional[dict], stochastic_rounding: bool = False) -> Optional[str]:
-    """The sentence the notes and verdicts show for a run's lost updates, or None when too few were lost."""
+def _where_in_schedule(step: int, lrs: Mapping[int, float]) -> str:
+    """", the schedule's end" / ", early in warm-up" when the lr at ``step`` is under a tenth of the run's peak
+    (there almost any update is below a 16-bit weight's spacing, whatever the precision); else ""."""
+    peak = max((float(v) for v in lrs.values() if v is not None and math.isfinite(v)), default=0.0)
+    lr = float(lrs[step])
+    if not peak > 0 or lr >= 0.1 * peak:
+        return ""
+    top = max(k for k, v in lrs.items() if v is not None and float(v) == peak)
+    return ", the schedule's end" if step > top else ", early in warm-up"
+
+
+def lost_updates_line(precision: str, by_step: Optional[dict], stochastic_rounding: bool = False,
+                      lrs: Optional[Mapping[int, float]] = None) -> Optional[str]:
+    """The sentence the notes and verdicts show for a run's lost updates, or None when too few were lost.
+
+    It starts with the first sampled step's share and says at which sampled step the largest share fell and,
+    with ``lrs`` (step -> learning rate, e.g. the history's ``lr`` column), the lr there: a share of 100% at the
+    last step of a cosine schedule, where the lr is ~0, says nothing of the steps that trained."""
     if not by_step:
         return None
-    steps = sorted(int(k) for k in by_step)
+    shares = {int(k): float(v) for k, v in by_step.items()}
+    steps = sorted(shares)
     first = steps[0]
-    share = float(by_step[first] if first in by_step else by_step[str(first)])
-    worst = max(float(v) for v in by_step.values())
+    worst = max(shares.values())
     if worst < LOST_UPDATES_REPORTED:
         return None
-    line = f"{precision}: {share:.0%} of updates lost at step {first}"
+    line = f"{precision}: {shares[first]:.0%} of updates lost at step {first}"
     if len(steps) > 1:
-        line += f" (sampled steps {', '.join(map(str, steps))}: up to {worst:.0%})"
+        at = next(k for k in steps if shares[k] == worst)
+        lrs = {int(k): v for k, v in (lrs or {}).items()}
+        lr = lrs.get(at)
+        where = (f" where lr is {float(lr):.2g}{_where_in_schedule(at, lrs)}"
+                 if lr is not None and math.isfinite(lr) else "")
+        line += f" (sampled steps {', '.join(map(str, steps))}: the most, {worst:.0%}, at step {at}{where})"
     if stochastic_rounding:
         return line + "; stochastic rounding keeps them on average (a weight moves by one bf16 step with the " \
                       "update's share of it)"
     if precision == "bf16-pure":
         return line + "; try stochastic_rounding=True or bf16 autocast (precision='bf16': fp32 master weights)"
     return line + "; lr x gradient is below the weights' spacing there (a larger learning rate moves them)"
+
+
+def history_lrs(history: Any) -> Optional[dict[int, float]]:
+    """Step -> that step's learning rate, from a run's history (None without an ``lr`` column)."""
+    if history is None or "lr" not in history or "step" not in history or not len(history):
+        return None
+    return dict(zip(pd.Series(history["step"]).astype(int), pd.Series(history["lr"]).astype(float)))
+
+
+def lost_updates_of(result: Any) -> Optional[str]:
+    """The lost-update sentence of a finished run (a TrainResult), with the lr of each sampled step."""
+    s, cfg = getattr(result, "summary", None) or {}, getattr(result, "config", None)
+    return lost_updates_line(s.get("precision_used") or getattr(cfg, "precision", ""), s.get("lost_updates_by_step"),
+                             bool(getattr(cfg, "stochastic_rounding", False)),
+                             history_lrs(getattr(result, "history", None)))
+
+
+def notes_with_lr(notes: list[str], result: Any) -> list[str]:
+    """``notes`` with the engine's lost-update sentence, written at the run's end without the lrs, said as
+    ``lost_updates_of`` says it (the verdict's words): one sentence, not two versions of it."""
+    s, cfg = getattr(result, "summary", None) or {}, getattr(result, "config", None)
+    plain = lost_updates_line(s.get("precision_used") or getattr(cfg, "precision", ""),
+                              s.get("lost_updates_by_step"), bool(getattr(cfg, "stochastic_rounding", False)))
+    if not plain or plain not in notes:
+        return list(notes)
+    return [lost_updates_of(result) if n == plain else n for n in notes]

@@ -1,0 +1,163 @@
+"""Words match pictures (issue 35): a verdict's loss headline gives the side most out-of-band steps lie on, the
+lost-update sentence says where its largest share fell and at what lr, speed is the repeats' range with its median,
+advice names the controls that exist, and every variant is warmed up untimed before its first timed run.
+
+Histories and timings are made here (no run, no clock) except in the warm-up test, which watches the runs compare()
+starts and asserts nothing about their times."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import nbtrain as nbt
+from nbtrain import verdicts as V
+from nbtrain.compare import compare
+from nbtrain.engine import doctor
+
+
+def hist(loss, lr=None):
+    steps = np.arange(1, len(loss) + 1)
+    return pd.DataFrame({"step": steps, "loss": loss, "scale": [None] * len(loss),
+                         "lr": lr if lr is not None else [1e-3] * len(loss)})
+
+
+# Notebook 04's lr comparison, as its difference plot showed it: lr 1e-2 a little higher than lr 1e-3 beyond the
+# band at step 2, then 0.6-0.85 nats lower from step 3 to step 8; the same loss at step 1 (same weights, same batch).
+REF = [7.60, 7.40, 7.20, 7.00, 6.85, 6.70, 6.60, 6.50]
+DIFF = [0.0, 0.15, -0.60, -0.72, -0.85, -0.80, -0.79, -0.78]
+SEED_1 = [7.65, 7.45, 7.28, 7.10, 6.95, 6.80, 6.72, 6.62]
+SEED_2 = [7.57, 7.36, 7.15, 6.93, 6.80, 6.66, 6.55, 6.46]
+
+
+@pytest.fixture
+def lr_case():
+    ref = hist(REF)
+    band = V.seed_band(ref, {1: hist(SEED_1), 2: hist(SEED_2)}, reference_seed=0)
+    var = hist(list(np.add(REF, DIFF)))
+    return V.verdict("lr 1e-2", "lr 1e-3", var, ref, {"stopped_reason": "max_steps"}, band=band), band
+
+
+def test_the_notebook_04_lr_headline_is_the_dominant_direction_not_the_first_blip(lr_case):
+    v, band = lr_case
+    diff = pd.Series(DIFF, index=band.width.index)
+    out = diff.abs() > band.width                                    # computed here from the two series
+    assert out[2] and diff[2] > 0 and out[3:].all() and (diff[3:] < 0).all()   # the premise: a blip, then lower
+    assert v.direction == "lower" and v.within_noise is False
+    assert v.leaves_band_at == 2                                     # the first step outside, on either side
+    assert v.outside == {"lower": [3, 4, 5, 6, 7, 8], "higher": [2]} and v.judged_steps == 8
+    assert ("loss lower than lr 1e-3 beyond seed noise on 6 of 8 steps (from step 3; largest -0.85 at step 5); "
+            "briefly higher at step 2") in v.text
+    assert "higher than lr 1e-3" not in v.text
+
+
+def test_a_headline_never_contradicts_most_of_the_steps():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(2, 12))
+        ref = hist(list(5 - np.arange(n) * 0.2))
+        band = V.seed_band(ref, {1: hist(list(ref.loss + rng.uniform(-0.2, 0.2, n)))}, 0)
+        var = hist(list(ref.loss + rng.normal(0, 0.3, n)))
+        v = V.verdict("b", "a", var, ref, {}, band=band)
+        diff = var.loss.to_numpy() - ref.loss.to_numpy()
+        out = np.abs(diff) > band.width.to_numpy() + V.EDGE_TOL
+        low, high = int((out & (diff < 0)).sum()), int((out & (diff > 0)).sum())
+        if not low and not high:
+            assert v.within_noise and "within seed noise at every step" in v.text
+            continue
+        if low != high:
+            assert v.direction == ("lower" if low > high else "higher")
+        mine = max(low, high)
+        assert f"loss {v.direction} than a beyond seed noise on {mine} of {n} steps" in v.text, v.text
+
+
+def test_the_lost_update_sentence_says_where_the_largest_share_fell_and_at_what_lr():
+    steps = 30
+    lr = [1e-3 * 0.5 * (1 + math.cos(math.pi * (k - 1) / (steps - 1))) + 3.3e-7 * (k == steps)
+          for k in range(1, steps + 1)]                              # cosine to ~0 at the last step
+    by_step = {1: 0.01, 2: 0.012, 3: 0.015, 30: 1.0}
+    line = doctor.lost_updates_line("bf16-pure", by_step, False, {k: lr[k - 1] for k in range(1, steps + 1)})
+    assert line.startswith("bf16-pure: 1% of updates lost at step 1 (sampled steps 1, 2, 3, 30: the most, 100%, "
+                           "at step 30 where lr is 3.3e-07, the schedule's end)")
+    # without the lrs (an old caller) it still names the step
+    assert "the most, 100%, at step 30)" in doctor.lost_updates_line("bf16-pure", by_step)
+    # the largest share where the lr is high: no word about the schedule
+    mid = doctor.lost_updates_line("bf16-pure", {1: 0.9, 2: 0.95}, False, {1: 1e-5, 2: 1e-5})
+    assert "the most, 95%, at step 2 where lr is 1e-05)" in mid and "schedule" not in mid
+    # diagnose() reads the lr from the history
+    h = pd.DataFrame({"step": range(1, steps + 1), "loss": [5.0] * steps, "lr": lr, "scale": [None] * steps,
+                      "skipped": [False] * steps, "nonfinite": [False] * steps})
+    found = {f.kind: f for f in doctor.diagnose(h, {"lost_updates_by_step": by_step, "precision_used": "bf16-pure"})}
+    assert "at step 30 where lr is 3.3e-07, the schedule's end" in found["lost_updates"].message
+    # a run's notes (written by the engine at its end, without the lrs) are shown with them, as the verdict says it
+    from types import SimpleNamespace
+
+    from nbtrain.viz.text import run_notes
+
+    plain = doctor.lost_updates_line("bf16-pure", by_step)
+    run = SimpleNamespace(summary={"notes": ["auto batch size: 4", plain], "lost_updates_by_step": by_step,
+                                   "precision_used": "bf16-pure"},
+                          config=SimpleNamespace(precision="bf16-pure", stochastic_rounding=False), history=h)
+    assert run_notes(run)[0] == ["auto batch size: 4", doctor.lost_updates_of(run)]
+    assert "where lr is 3.3e-07, the schedule's end" in doctor.lost_updates_of(run)
+
+
+def test_speed_is_the_range_then_the_median_with_the_rules_error_rate():
+    s = V.speed([3.0, 33.0, 9.0], [100.0, 100.0, 100.0])
+    assert V.speed_span(s) == "0.03-0.33x, median 0.09x"
+    text = V._speed_text(s, "fp32")
+    assert text.startswith("speed too noisy to judge here (0.03-0.33x, median 0.09x over 3 repeats; noise ")
+    assert f"{V.FALSE_RANKING_RATE:.0%} false-ranking rule" in text and "±0." not in text
+    slow = V.speed([50.0, 72.0, 54.0, 55.0, 53.0], [100.0] * 5)
+    assert V._speed_text(slow, "fp32").startswith("slower than fp32 (0.50-0.72x, median 0.54x over 5 repeats; noise ±")
+    assert V.speed_span(V.speed([9.0], [100.0])) == "0.09x, one timing"
+
+
+def test_advice_names_only_the_repeats_and_seeds_controls():
+    """The Panel's controls are labelled "repeats" and "seeds": advice on noise names those, as name=value."""
+    texts = []
+    for var, ref in (([150], [100]), ([150, 151], [100, 100]), ([120, 60, 121], [100, 101, 99]),
+                     ([100, 160, 80, 120, 70], [100, 101, 99, 100, 100])):
+        texts.append(V.verdict("b", "a", hist([5.0, 4.0]), hist([5.0, 4.1]), {}, timings=var,
+                               reference_timings=ref).text)
+    advice = [m for t in texts for m in re.findall(r"(?:use|rerun with) ([a-z_]+)=", t)]
+    assert advice and set(advice) == {"repeats"}, texts
+    assert all("seeds=(0, 1, 2)" in t for t in texts)               # no band: how to get one
+    assert not any("noise band" in t for t in texts)
+
+
+def test_every_variant_is_warmed_up_untimed_before_its_first_timed_run(monkeypatch):
+    import nbtrain.engine.loop as loop
+
+    calls = []
+    original = loop._run
+
+    def spy(cfg, callbacks=None, **kw):
+        res = original(cfg, callbacks, **kw)
+        calls.append((kw.get("variant"), cfg, callbacks, res))
+        return res
+
+    monkeypatch.setattr(loop, "_run", spy)
+    cfg = nbt.TrainConfig(model="tiny", data="builtin:python-docs", subset=16, max_seq_len=16, micro_batch_size=8,
+                          max_steps=3, eval_fraction=0.0, precision="fp32")
+    cmp = compare(cfg, variants={"A": {}, "B": dict(lr=2e-3), "C": dict(precision="bf16")}, repeats=2)
+    names = [v for v, *_ in calls]
+    for name in "ABC":
+        warm = names.index(f"{name} (warm-up)")
+        assert warm < names.index(name), names                        # before its first timed run
+        _, wcfg, wcb, wres = calls[warm]
+        assert wcb is None and wcfg.output_dir is None and wcfg.max_steps <= 2   # untimed, unrecorded, short
+        assert wcfg.precision == cmp.configs[name].precision and wcfg.lr == cmp.configs[name].lr
+        # its timing is nowhere: every timing of the variant is one of its timed runs
+        timed = [r.summary["tokens_per_s"] for v, _, _, r in calls if v == name]
+        assert [t for t, _ in cmp.timings[name]] == timed and wres.summary["tokens_per_s"] not in timed
+    assert names[:3] == ["A (warm-up)", "B (warm-up)", "C (warm-up)"]   # all of them before any timing
+    assert cmp.run_order == [["A", "B", "C"], ["B", "C", "A"]]
+    # warmup=False: none
+    calls.clear()
+    compare(cfg, variants={"A": {}, "B": {}}, warmup=False)
+    assert [v for v, *_ in calls] == ["A", "B"]
