@@ -4,7 +4,9 @@ Each test starts its own Jupyter server on 127.0.0.1 with a temporary config, ru
 workspace directory and a copy of the notebook (the browser saves what it runs; the repo's notebooks
 stay stripped). It runs all cells, clicks Train in the panel, waits until the four live plots (loss, grad
 norm, loss scale, memory) have points in the rendered plotly DOM, clicks Stop, waits for the status to say
-stopped, checks the browser console for errors, and saves a screenshot to test-artifacts/. The server is
+stopped, checks the browser console for errors, and saves a screenshot to test-artifacts/. The notebook's first
+cell records the kernel's errors outside the cells (tests/e2e/kernel_errors.py): in the end the recorder (and, in
+JupyterLab, the log console) must hold the deliberate canary and nothing else. The server is
 stopped by its PID (after its kernels are shut down through the REST API). The REST polling retries what a
 starting server answers now and then (a 5xx, a connection refused or reset) until its deadline, and fails at
 once on anything else (``_transient``; tested without a browser in test_browser_polling.py).
@@ -231,12 +233,17 @@ NOTEBOOK7_CELLS = 4
 
 @pytest.fixture(params=["lab", "notebook"], ids=["jupyterlab", "notebook7"])
 def server(request, tmp_path):
+    from .kernel_errors import RECORD_FILE, recorder_cell
+
     srv = JupyterServer(request.param, tmp_path)
+    nb = json.loads((srv.root / NOTEBOOK).read_text())
     if request.param == "notebook":
-        nb = json.loads((srv.root / NOTEBOOK).read_text())
         nb["cells"] = nb["cells"][:NOTEBOOK7_CELLS]
         assert "nbt.Panel(" in "".join(nb["cells"][-1]["source"]), "the quickstart's Panel cell moved"
-        (srv.root / NOTEBOOK).write_text(json.dumps(nb))
+    # first, the recorder of the kernel's errors outside the cells (tests/e2e/kernel_errors.py)
+    nb["cells"].insert(0, {"cell_type": "code", "id": "e2e-kernel-errors", "metadata": {}, "outputs": [],
+                           "execution_count": None, "source": recorder_cell(srv.root / RECORD_FILE)})
+    (srv.root / NOTEBOOK).write_text(json.dumps(nb))
     srv.start()
     yield srv
     srv.stop()
@@ -323,6 +330,8 @@ def _wait_until_ran(nb, timeout: float, server: "JupyterServer | None" = None) -
 def test_quickstart_panel_in_browser(server):
     from playwright.sync_api import expect, sync_playwright
 
+    from .kernel_errors import RECORD_FILE, assert_only_canary, fire_canary, log_console_entries
+
     ARTIFACTS.mkdir(exist_ok=True)
     name = "jupyterlab" if server.app == "lab" else "notebook7"
     if server.app == "lab":
@@ -348,6 +357,8 @@ def test_quickstart_panel_in_browser(server):
             _wait_until_ran(nb, RUN_ALL_TIMEOUT_S, server)
             outputs = nb.locator(".jp-OutputArea").all_inner_texts()
             assert not any("Traceback (most recent call last)" in t for t in outputs), "\n".join(outputs)[-3000:]
+            record = server.root / RECORD_FILE
+            fire_canary(page, nb, record)
 
             def widget_button(label):
                 return page.locator("button.widget-button", has_text=re.compile(rf"^\s*{label}\s*$"))
@@ -385,6 +396,8 @@ def test_quickstart_panel_in_browser(server):
             cell.scroll_into_view_if_needed()
             cell.locator(".jp-OutputArea").first.screenshot(path=str(ARTIFACTS / f"e2e-{name}-panel.png"))
             page.screenshot(path=str(ARTIFACTS / f"e2e-{name}-page.png"))
+            # the kernel's errors outside the cells: the recorder's file, and JupyterLab's log console
+            assert_only_canary(record, log_console_entries(page) if server.app == "lab" else None)
         finally:
             browser.close()
     known = [(m, why) for m in problems for app, pattern, why in KNOWN_UPSTREAM_ERRORS

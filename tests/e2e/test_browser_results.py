@@ -8,13 +8,22 @@ One notebook, written for the test into the server's folder, is run with Run All
   (it used to log "Error setting state … gd.data must be an array").
 * **Compare** then **Stop** in a second Panel: the status must name the variant that was cut and the ones
   that never ran.
+* a Panel session on one 1440×900 screen (issue 35): **Train**, **Stop**, then **Compare** of fp32, fp16, bf16 and
+  bf16-pure. While the run goes, the status line and the live figure are both inside the viewport and the
+  notebook's scroll area, the settings are folded (and back once it ends), and the figure is the output's width
+  from its first point; after the Compare its dashboard shows the verdicts, the compact table and the figure,
+  top to bottom, no annotation or title overprints another and none appears twice.
 
-Screenshots of the three states go to test-artifacts/; with ``NBTRAIN_SCREENSHOTS=docs/screenshots`` they are
-also written there, which is where the README's pictures come from.
+The notebook's first cell records every error the kernel reports outside a cell (tests/e2e/kernel_errors.py):
+at the end the recorder and JupyterLab's log console must hold the deliberate canary and nothing else.
+
+Screenshots go to test-artifacts/; with ``NBTRAIN_SCREENSHOTS=docs/screenshots`` they are also written there,
+which is where the README's pictures come from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -24,8 +33,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from .test_browser import (ARTIFACTS, BROWSER_ARGS, CHROMIUM, KNOWN_UPSTREAM_ERRORS, ROOT, JupyterServer,
-                           _missing, _run_all, _wait_for_kernel, _wait_until_ran, kernel_stacks_on_failure)
+from .kernel_errors import (RECORD_FILE, assert_only_canary, fire_canary, log_console_entries, recorded,
+                            recorder_cell)
+from .test_browser import (_POINTS_PER_PANEL, ARTIFACTS, BROWSER_ARGS, CHROMIUM, KNOWN_UPSTREAM_ERRORS, PANELS, ROOT,
+                           JupyterServer, _missing, _run_all, _wait_for_kernel, _wait_until_ran,
+                           kernel_stacks_on_failure)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
@@ -56,7 +68,90 @@ scale_figure""",
 for p, box in stop_panel.compare_choices.items():
     box.value = p in ("fp32", "fp16", "bf16") and not box.disabled
 stop_panel""",
+    # 5: the one-screen session: a long Train the browser stops, then a short Compare of four precisions
+    """session = nbt.Panel(config=cfg.replace(max_steps=400))
+for p, box in session.compare_choices.items():
+    box.value = p in ("fp32", "fp16", "bf16", "bf16-pure") and not box.disabled
+session""",
 ]
+SESSION_PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")   # as ticked in CELLS[5]
+SESSION_COMPARE_STEPS = 8      # typed into the Panel's Max steps before Compare: four variants in well under a minute
+SCREEN = {"width": 1440, "height": 900}
+WIDTH_SLACK_PX = 12            # the live figure against its output's content width
+FOLDED_MAX_PX = 60             # the folded settings: one accordion title bar
+
+# Where things are on screen, for the session's Panel cell: the status line, the live figure (its graph div and
+# the SVG drawn in it), the settings, the output area (content box) and the element that scrolls the notebook.
+_LAYOUT = """
+cell => {
+  const box = el => { if (!el) return null; const r = el.getBoundingClientRect();
+    return {top: r.top, bottom: r.bottom, left: r.left, right: r.right, width: r.width, height: r.height}; };
+  const q = s => cell.querySelector(s);
+  const out = q('.jp-OutputArea-output');
+  const style = out && getComputedStyle(out);
+  let scroller = cell.parentElement;
+  while (scroller && !(['auto', 'scroll'].includes(getComputedStyle(scroller).overflowY)
+                       && scroller.scrollHeight > scroller.clientHeight)) scroller = scroller.parentElement;
+  const plot = q('.nbtrain-dashboard .js-plotly-plot');
+  const settings = q('.nbtrain-settings');
+  const tabs = settings && [...settings.querySelectorAll('.lm-TabBar, .widget-tab, .jupyter-widget-Tab')]
+    .filter(e => e.getClientRects().length > 0 && e.getBoundingClientRect().height > 0);
+  return {
+    viewport: {width: innerWidth, height: innerHeight},
+    status: box(q('.nbtrain-status')), plot: box(plot), svg: box(plot && plot.querySelector('.main-svg')),
+    settings: box(settings), settings_tabs_shown: tabs ? tabs.length : null,
+    output: out && {...box(out), content_width: out.clientWidth - parseFloat(style.paddingLeft)
+                                                 - parseFloat(style.paddingRight)},
+    scroller: scroller && {...box(scroller), cls: scroller.className, scrollTop: scroller.scrollTop},
+  };
+}
+"""
+# Scroll the notebook so that the upper of the status line and the live figure is at the top of its scroll area.
+_SCROLL_TO_STATUS = """
+cell => {
+  const els = [cell.querySelector('.nbtrain-status'), cell.querySelector('.nbtrain-dashboard .js-plotly-plot')];
+  const top = Math.min(...els.map(e => e.getBoundingClientRect().top));
+  let s = cell.parentElement;
+  while (s && !(['auto', 'scroll'].includes(getComputedStyle(s).overflowY) && s.scrollHeight > s.clientHeight))
+    s = s.parentElement;
+  if (s) s.scrollTop += top - s.getBoundingClientRect().top - 4;
+}
+"""
+# In the dashboard after a Compare: the top of the verdicts, the table and the first figure; every annotation and
+# title drawn in its figures (text and box), to find overprints and repeats.
+_AFTER_COMPARE = """
+dash => {
+  const box = el => { if (!el) return null; const r = el.getBoundingClientRect();
+    return {top: r.top, bottom: r.bottom, left: r.left, right: r.right}; };
+  const texts = [];
+  dash.querySelectorAll('.js-plotly-plot').forEach((gd, fig) => {
+    gd.querySelectorAll('g.annotation, g.g-gtitle, text.gtitle').forEach(g => {
+      const t = (g.textContent || '').trim();
+      if (t) texts.push({fig, text: t, ...box(g)});
+    });
+  });
+  // a sentence shown twice in the Panel: a list item or paragraph (outside the collapsed full table) whose text is
+  // also inside another one that neither holds it nor is held by it
+  const shown = [...dash.closest('.jp-OutputArea-output').querySelectorAll('li, p')]
+    .filter(e => e.getClientRects().length > 0 && !e.closest('details:not([open])')
+                 && (e.innerText || '').trim().length >= 40);
+  const repeated = shown.filter(a => shown.some(b => a !== b && !a.contains(b) && !b.contains(a)
+                                                     && b.innerText.includes(a.innerText.trim())))
+    .map(e => e.innerText.trim());
+  return {verdicts: box(dash.querySelector('.nbtrain-verdicts')), table: box(dash.querySelector('.nbtrain-table')),
+          figure: box(dash.querySelector('.js-plotly-plot')), texts, repeated};
+}
+"""
+
+
+def _inside(inner: dict, outer: dict, slack: float = 1.0) -> bool:
+    return (inner["top"] >= outer["top"] - slack and inner["bottom"] <= outer["bottom"] + slack
+            and inner["left"] >= outer["left"] - slack and inner["right"] <= outer["right"] + slack)
+
+
+def _overlaps(a: dict, b: dict) -> bool:
+    return min(a["right"], b["right"]) - max(a["left"], b["left"]) > 1 and \
+        min(a["bottom"], b["bottom"]) - max(a["top"], b["top"]) > 1
 
 # The y axis of the loss-scale panel: the trace whose meta says panel "scale" names its axis.
 _SCALE_TICKS = """
@@ -71,17 +166,19 @@ gd => {
 
 def _write_notebook(folder: Path) -> None:
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in [recorder_cell(folder / RECORD_FILE), *CELLS]]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, folder / NOTEBOOK)
 
 
-def _shot(locator, name: str) -> None:
+def _shot(locator, name: str, readme: bool = True) -> None:
+    """A screenshot of ``locator`` (an element, or a page: the viewport) in test-artifacts/, and, for the README's
+    pictures, in $NBTRAIN_SCREENSHOTS when set."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"e2e-{name}.png"
     locator.screenshot(path=str(path))
     extra = os.environ.get("NBTRAIN_SCREENSHOTS")
-    if extra:
+    if extra and readme:
         out = ROOT / extra
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.png").write_bytes(path.read_bytes())
@@ -101,7 +198,8 @@ def test_comparison_results_in_browser(lab):
 
     url = f"{lab.base}/lab/workspaces/e2e-{secrets.token_hex(4)}/tree/{NOTEBOOK}?reset&token={lab.token}"
     problems: list[str] = []
-    with sync_playwright() as p, kernel_stacks_on_failure(lab):
+    record = lab.root / RECORD_FILE
+    with sync_playwright() as p, kernel_stacks_on_failure(lab), _kernel_errors_on_failure(record):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 2400})
@@ -113,15 +211,20 @@ def test_comparison_results_in_browser(lab):
             _wait_for_kernel(lab)
             _run_all(page)
             prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
-            expect(prompts).to_have_count(len(CELLS))
+            expect(prompts).to_have_count(1 + len(CELLS))
             _wait_until_ran(nb, RUN_ALL_TIMEOUT_S, lab)
+            fire_canary(page, nb, record)
             cells = nb.locator(".jp-CodeCell")
+
+            def cell_of(i):   # CELLS[i]; cell 0 is the recorder
+                return cells.nth(1 + i)
+
 
             def button(cell, label):
                 return cell.locator("button.widget-button", has_text=re.compile(rf"^\s*{label}\s*$"))
 
             # -- 1. the comparison table in a 968 px output --------------------------------------------------
-            panel = cells.nth(1)
+            panel = cell_of(1)
             panel.scroll_into_view_if_needed()
             output = panel.locator(".jp-OutputArea-output").first
             output.evaluate(f"el => {{ el.style.width = '{OUTPUT_WIDTH_PX}px'; el.style.maxWidth = "
@@ -152,7 +255,7 @@ def test_comparison_results_in_browser(lab):
             _shot(output, "compare-table")
 
             # -- 2. the loss-scale axis, fp16 beside a run without a scaler ----------------------------------
-            fig_cell = cells.nth(3)
+            fig_cell = cell_of(3)
             fig_cell.scroll_into_view_if_needed()
             plot = fig_cell.locator(".js-plotly-plot").first
             expect(plot).to_be_visible(timeout=60_000)
@@ -160,13 +263,13 @@ def test_comparison_results_in_browser(lab):
             assert ticks and "65,536" in ticks, f"loss-scale tick labels: {ticks}"
             assert not any(re.fullmatch(r"\d", t) for t in ticks), f"crowded minor tick labels: {ticks}"
             _shot(fig_cell.locator(".jp-OutputArea-output").first, "scale-panel")
-            live = cells.nth(2).locator(".js-plotly-plot").first
+            live = cell_of(2).locator(".js-plotly-plot").first
             if live.count():
                 live_ticks = live.evaluate(_SCALE_TICKS)
                 assert live_ticks and "65,536" in live_ticks, f"live loss-scale tick labels: {live_ticks}"
 
             # -- 3. Stop during a comparison stops the comparison -------------------------------------------
-            stopper = cells.nth(4)
+            stopper = cell_of(4)
             stopper.scroll_into_view_if_needed()
             button(stopper, "Compare precisions").click()
             stop = button(stopper, "Stop")
@@ -181,9 +284,179 @@ def test_comparison_results_in_browser(lab):
             assert "cut" in line and "not run" in line, line
             assert "ETA" not in stopper.locator(".jp-OutputArea-output").first.inner_text()
             _shot(stopper.locator(".jp-OutputArea-output").first, "compare-stopped")
+
+            # -- 4. Train, Stop and Compare of four precisions on one 1440x900 screen ---------------------
+            session = _panel_session(page, cell_of(5), button)
+            what = ("the Panel session on a 1440x900 screen (screenshots: test-artifacts/e2e-panel-*.png):\n"
+                    + "\n".join(f"- {p}" for p in session))
+
+            console = log_console_entries(page)
+            _shot(page, "log-console", readme=False)
+            try:
+                assert_only_canary(record, console)
+            except AssertionError as e:
+                if session:
+                    e.add_note(what)
+                raise
+            assert not session, what
         finally:
             browser.close()
     known = [(m, why) for m in problems for app, pattern, why in KNOWN_UPSTREAM_ERRORS
              if app == "lab" and pattern.match(m)]
     errors = [m for m in problems if m not in {k for k, _ in known}]
     assert not errors, "browser console errors:\n" + "\n".join(errors)
+
+
+@contextlib.contextmanager
+def _kernel_errors_on_failure(record: Path):
+    """A failure inside carries what the kernel's error recorder holds by then."""
+    try:
+        yield
+    except Exception as e:
+        errors = recorded(record)
+        e.add_note(f"--- the kernel's error recorder: {len(errors)} entr{'y' if len(errors) == 1 else 'ies'} "
+                   f"(the canary is one) ---\n" + "\n\n".join(errors)[-6000:])
+        raise
+
+
+def _layout(cell) -> dict:
+    return cell.evaluate(_LAYOUT)
+
+
+def _settings_problem(lay: dict, folded: bool, when: str) -> list[str]:
+    """What is wrong with the settings' state (folded while a run goes, shown otherwise), or nothing."""
+    settings = lay["settings"]
+    if settings is None:
+        return [f"{when}: no .nbtrain-settings in the Panel"]
+    if folded and not (settings["height"] <= FOLDED_MAX_PX and lay["settings_tabs_shown"] == 0):
+        return [f"{when}: the settings are not folded: {settings['height']:.0f} px tall (one title bar is at most "
+                f"{FOLDED_MAX_PX}), {lay['settings_tabs_shown']} tab bar(s) shown"]
+    if not folded and not (settings["height"] > FOLDED_MAX_PX and lay["settings_tabs_shown"]):
+        return [f"{when}: the settings are not shown: {settings['height']:.0f} px tall, "
+                f"{lay['settings_tabs_shown']} tab bar(s) shown"]
+    return []
+
+
+def _width_problem(lay: dict, when: str) -> list[str]:
+    """The live figure (its graph div and the SVG plotly drew) against the output area's content width."""
+    want = lay["output"]["content_width"]
+    return [f"{when}: the live figure's {part} is {lay[part]['width']:.0f} px wide, the output area {want:.0f} px"
+            for part in ("plot", "svg") if abs(lay[part]["width"] - want) > WIDTH_SLACK_PX]
+
+
+# Each figure's traces as the browser holds them: a trace with y values but no x (or fewer) is drawn at 0, 1, 2, ...
+# instead of its steps (what plotly's trace deltas did to the clip line, the memory and the Δloss lines).
+_TRACES_WITHOUT_X = """
+dash => [...dash.querySelectorAll('.js-plotly-plot')].flatMap((gd, fig) => (gd.data || []).map(t => ({
+    fig, name: JSON.stringify(t.meta || t.name || null), x: t.x ? t.x.length : 0, y: t.y ? t.y.length : 0}))
+  .filter(t => t.y > 0 && t.x !== t.y))
+"""
+
+
+def _x_problems(dash, when: str) -> list[str]:
+    bad = dash.evaluate(_TRACES_WITHOUT_X)
+    return [f"{when}: {len(bad)} trace(s) in the browser have y values without as many x values (drawn at 0, 1, "
+            f"2, … instead of their steps): "
+            + "; ".join(f"figure {t['fig']} {t['name']}: {t['x']} x for {t['y']} y" for t in bad)] if bad else []
+
+
+def _panel_session(page, cell, button) -> list[str]:
+    """Train, Stop, Compare of SESSION_PRECISIONS in the session Panel at 1440x900 (issue 35, Must hold 2). The
+    flow fails at once when it cannot go on; what the screen shows on the way is returned, every problem found
+    (the screenshots are in test-artifacts/)."""
+    from playwright.sync_api import expect
+
+    problems: list[str] = []
+    page.set_viewport_size(SCREEN)
+    cell.scroll_into_view_if_needed()
+    train, stop = button(cell, "Train"), button(cell, "Stop")
+    expect(train).to_be_enabled()
+    expect(cell.locator(".nbtrain-settings")).to_be_visible()
+    problems += _settings_problem(_layout(cell), folded=False, when="before Train")
+
+    train.click()
+    expect(stop).to_be_enabled(timeout=30_000)
+    plot = cell.locator(".nbtrain-dashboard .js-plotly-plot").first
+    expect(plot).to_be_visible(timeout=120_000)
+    deadline = time.monotonic() + 180
+    while not any(n >= 1 for n in plot.evaluate(_POINTS_PER_PANEL).values()):   # the first point drawn
+        assert time.monotonic() < deadline, "no point drawn in the live figure in 180 s"
+        time.sleep(0.2)
+    problems += _width_problem(_layout(cell), "at the first point")
+    drawn = PANELS - {"scale"}   # fp32 has no loss scale: that panel only says so
+    while True:   # a few points in the other panels
+        counts = plot.evaluate(_POINTS_PER_PANEL)
+        if all(counts.get(k, 0) >= 2 for k in drawn):
+            break
+        assert time.monotonic() < deadline, f"the plots {sorted(drawn)} did not get points: {counts}"
+        time.sleep(0.5)
+    cell.evaluate(_SCROLL_TO_STATUS)
+    time.sleep(0.5)   # the notebook re-lays out what scrolled into view
+    lay = _layout(cell)
+    expect(stop).to_be_enabled()   # still running
+    screen = {"top": 0, "left": 0, "bottom": lay["viewport"]["height"], "right": lay["viewport"]["width"]}
+    for part in ("status", "plot"):
+        if lay[part] is None or not (_inside(lay[part], screen) and _inside(lay[part], lay["scroller"])):
+            problems.append(f"during the run (status line scrolled to the top) the {part} is not all in view: status "
+                            f"{lay['status']}, figure {lay['plot']}, viewport {lay['viewport']}, the notebook's "
+                            f"scroll area {lay['scroller']}")
+    problems += _width_problem(lay, "during the run")
+    problems += _x_problems(cell.locator(".nbtrain-dashboard"), "during the run")
+    problems += _settings_problem(lay, folded=True, when="during the run")
+    _shot(page, "panel-running")
+
+    stop.click()
+    expect(cell.locator(".nbtrain-status").get_by_text("stopped (history kept)")).to_be_visible(timeout=120_000)
+    expect(train).to_be_enabled()
+    time.sleep(0.5)
+    problems += _settings_problem(_layout(cell), folded=False, when="after Stop")
+
+    # a short Compare: Max steps typed in the Training tab, as a person would
+    cell.locator(".lm-TabBar-tab", has_text=re.compile(r"^\s*Training\s*$")).first.click()
+    steps = cell.locator(".widget-text", has_text="Max steps").locator("input").first
+    steps.fill(str(SESSION_COMPARE_STEPS))
+    steps.press("Tab")
+    button(cell, "Compare precisions").click()
+    expect(stop).to_be_enabled(timeout=30_000)
+    problems += _settings_problem(_layout(cell), folded=True, when="during the Compare")
+    done = cell.locator(".nbtrain-status").get_by_text(re.compile(r"^\s*done — "))
+    expect(done).to_be_visible(timeout=300_000)
+    expect(train).to_be_enabled()
+    time.sleep(1)
+    problems += _settings_problem(_layout(cell), folded=False, when="after the Compare")
+    dash = cell.locator(".nbtrain-dashboard")
+    expect(dash.locator(".nbtrain-table")).to_be_visible()
+    table = dash.locator(".nbtrain-table").inner_text()
+    problems += [f"after the Compare the table does not name {name}" for name in SESSION_PRECISIONS
+                 if name not in table]
+    dash.evaluate("d => d.scrollIntoView({block: 'start'})")
+    time.sleep(0.5)
+    after = dash.evaluate(_AFTER_COMPARE)
+    order = [(k, after[k]) for k in ("verdicts", "table", "figure")]
+    missing = [k for k, b in order if b is None]
+    if missing:
+        problems.append(f"after the Compare the dashboard has no {missing}")
+    elif not (after["verdicts"]["bottom"] <= after["table"]["top"] + 1
+              and after["table"]["bottom"] <= after["figure"]["top"] + 1):
+        problems.append("after the Compare the dashboard is not verdicts, then table, then figure: "
+                        + ", ".join(f"{k} {b['top']:.0f}-{b['bottom']:.0f} px" for k, b in order))
+    texts = after["texts"]
+    over = [(a["text"], b["text"]) for i, a in enumerate(texts) for b in texts[i + 1:]
+            if a["fig"] == b["fig"] and _overlaps(a, b)]
+    if over:
+        problems.append(f"after the Compare titles or annotations are drawn over each other: {over}")
+    seen: dict[str, int] = {}
+    for t in texts:
+        seen[t["text"]] = seen.get(t["text"], 0) + 1
+    twice = {t: n for t, n in seen.items() if n > 1}
+    if twice:
+        problems.append(f"after the Compare a title or note appears more than once in its figures: {twice}")
+    if after["repeated"]:
+        problems.append(f"after the Compare a note is shown twice in the Panel: {sorted(set(after['repeated']))}")
+    problems += _x_problems(dash, "after the Compare")
+    _shot(page, "panel-compared-screen", readme=False)
+    page.set_viewport_size({"width": SCREEN["width"], "height": 2400})   # the whole dashboard in one picture
+    time.sleep(1)
+    _shot(dash, "panel-compared")
+    page.set_viewport_size(SCREEN)
+    return problems
