@@ -338,9 +338,9 @@ def _settings_problem(lay: dict, folded: bool, when: str) -> list[str]:
 
 
 def _width_problem(lay: dict, when: str) -> list[str]:
-    """The live figure (its graph div and the SVG plotly drew) against the output area's content width."""
+    """The dashboard's figure (its graph div and the SVG plotly drew) against the output area's content width."""
     want = lay["output"]["content_width"]
-    return [f"{when}: the live figure's {part} is {lay[part]['width']:.0f} px wide, the output area {want:.0f} px"
+    return [f"{when}: the figure's {part} is {lay[part]['width']:.0f} px wide, the output area {want:.0f} px"
             for part in ("plot", "svg") if abs(lay[part]["width"] - want) > WIDTH_SLACK_PX]
 
 
@@ -423,7 +423,9 @@ def _panel_session(page, cell, button) -> list[str]:
     expect(done).to_be_visible(timeout=300_000)
     expect(train).to_be_enabled()
     time.sleep(1)
-    problems += _settings_problem(_layout(cell), folded=False, when="after the Compare")
+    lay = _layout(cell)
+    problems += _settings_problem(lay, folded=False, when="after the Compare")
+    problems += _width_problem(lay, "after the Compare")
     dash = cell.locator(".nbtrain-dashboard")
     expect(dash.locator(".nbtrain-table")).to_be_visible()
     table = dash.locator(".nbtrain-table").inner_text()
