@@ -18,6 +18,7 @@ pytest.importorskip("anywidget")
 
 from nbtrain.ui.panel import Panel  # noqa: E402
 
+from .helpers import after_build  # noqa: E402
 from .test_live_figure import FakeFrontend, assert_traces_at_steps  # noqa: E402
 from .test_ui import TIMEOUT, small, wait_for  # noqa: E402
 
@@ -25,10 +26,12 @@ FOUR = ("fp32", "fp16", "bf16", "bf16-pure")
 
 
 def texts(widget) -> list[str]:
-    """The text of every HTML widget under ``widget`` (tags stripped), in display order."""
+    """The text of every HTML widget under ``widget`` (tags stripped), in display order; what a folded
+    ``<details>`` holds (the comparison's full table, every column) is left out, as a reader sees it."""
     out = []
     if isinstance(widget, ipywidgets.HTML):
-        out.append(re.sub(r"<[^>]+>", " ", html.unescape(widget.value)))
+        shown = re.sub(r"<details.*?</details>", " ", widget.value, flags=re.S)
+        out.append(re.sub(r"<[^>]+>", " ", html.unescape(shown)))
     for child in getattr(widget, "children", ()):
         out += texts(child)
     return out
@@ -110,16 +113,29 @@ def test_a_start_that_fails_clears_nothing_of_the_last_comparison(session, tmp_p
     panel, seen = session
     before = panel.dashboard_area.children
     verdicts, table, cmp = panel.verdicts.value, panel.comparison_table.value, panel.comparison
-    data = tmp_path / "rows.csv"
-    data.write_text("foo\nhello world\nanother line\n")
-    panel.config = small(data=str(data), subset=None, max_steps=2)
-    panel.train_button.click()
-    assert panel.wait(TIMEOUT) is None
-    assert "error" in panel.status.value
+    # a run that starts and fails in its first forward: no step of it to show
+    def boom(module, inputs, output):
+        raise RuntimeError("boom in the first forward")
+
+    monkeypatch = pytest.MonkeyPatch()
+    after_build(monkeypatch, lambda model: model.register_forward_hook(boom))
+    try:
+        panel.config = small(max_steps=2)
+        panel.train_button.click()
+        job = panel.runner.job
+        assert panel.wait(TIMEOUT) is None and job.kind == "train" and job.finished
+    finally:
+        monkeypatch.undo()
+    assert "error" in panel.status.value and "boom in the first forward" in panel.status.value
     assert panel.dashboard_area.children == before                 # the comparison is still on screen
     assert panel.verdicts.value == verdicts and panel.comparison_table.value == table
     assert panel.comparison is cmp
-    assert panel.settings.selected_index == 0                      # and the settings are back to fix the data
+    assert panel.settings.selected_index == 0                      # and the settings are back to fix it
+    # a start the checks refuse (a data path that is not here) changes nothing either
+    panel.config = small(data=str(tmp_path / "missing.csv"), subset=None)
+    panel.train_button.click()
+    assert "not started" in panel.status.value
+    assert panel.dashboard_area.children == before and panel.comparison is cmp
 
 
 def test_the_panel_has_the_controls_its_advice_names():

@@ -89,7 +89,9 @@ def test_panel_shows_notes_and_oom_advice_of_a_train():
     assert "2 more" in shown and html.escape(ADVICE[4]) not in shown   # a short list
     box = next(c for c in panel.widget.children if panel.status in getattr(c, "children", ()))
     assert box.children.index(panel.notes) == box.children.index(panel.status) + 1   # under the status line
-    panel.runner.begin("train")     # the next press clears them
+    job = panel.runner.begin("train")     # a press leaves them while its run has not started (it may fail) ...
+    assert panel.notes.value == shown
+    panel.runner.reveal(job)               # ... and clears them when it has
     assert panel.notes.value == ""
 
 

@@ -295,10 +295,13 @@ class ComparisonViews:
                 + "".join(items) + "</ul>")
 
     def _notes_html(self) -> str:
+        # A note its variant's verdict already says (the lost-update sentence) is not said again under the table.
+        said = {name: getattr(v, "lost_updates_text", None) for name, v in self.verdicts.items()}
         per_variant = "".join(
             f"<li><b>{html.escape(name)}</b><ul style='margin:0;padding-left:18px'>"
-            + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul></li>"
-            for name, notes in self.notes.items() if notes)
+            + "".join(f"<li>{html.escape(n)}</li>" for n in kept) + "</ul></li>"
+            for name, kept in ((name, [n for n in notes if n != said.get(name)]) for name, notes in self.notes.items())
+            if kept)
         general = "".join(f"<li>{html.escape(n)}</li>" for n in self._general_notes())
         verdict = html.escape(self._fairness_line())
         color = "#2e7d32" if self.fair else "#c62828"

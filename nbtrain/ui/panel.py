@@ -27,10 +27,13 @@ from ..config import ConfigError, TrainConfig
 from ..engine.threads import complete_imports, track
 from ..hardware import capabilities
 from . import render
-from .form import PRECISION_HINTS, SECTIONS, Form, processes_problem, section_of
+from .form import PRECISION_HINTS, SECTIONS, Form, default_config, processes_problem, section_of
 from .runner import Runner
 
 __all__ = ["Panel", "SECTIONS", "section_of"]
+
+SETTINGS_OPEN = "Settings"
+SETTINGS_FOLDED = "Settings (folded while the run goes: click to open)"
 
 
 def _tensors_line(est, cfg: TrainConfig) -> str:
@@ -110,10 +113,10 @@ class Panel:
 
         self.form = Form(self.caps, on_change=self._schedule_memory)
         self.runner = Runner(self.caps, PRECISION_HINTS, callbacks=callbacks or (),
-                             on_field_error=self._mark_run_errors)
+                             on_field_error=self._mark_run_errors, on_busy=self._fold_settings)
         self._build()
         self.form.processes.value = int(processes)
-        self.config = config if config is not None else TrainConfig()
+        self.config = config if config is not None else default_config()
 
     def _build(self) -> None:
         self.header = widgets.HTML(render.header_html(self.caps))
@@ -132,13 +135,26 @@ class Panel:
 
         yaml_row = widgets.HBox([self.yaml_path, self.load_button, self.save_button])
         box = widgets.Layout(border="1px solid #ddd", padding="6px", margin="4px 0")
+        # One screen (1440 x 900): the buttons and the status line come first, the settings under them fold away
+        # while a run goes, and the live figure follows right under the status. Folding what lies *under* the
+        # status moves neither the buttons nor the status line: the figure comes up to them.
+        self.settings = widgets.Accordion(children=[widgets.VBox([
+            self.form.tabs, widgets.VBox([self.memory], layout=box), self.form.error, yaml_row])],
+            titles=(SETTINGS_OPEN,), selected_index=0, layout=widgets.Layout(width="100%"))
+        self.settings.add_class("nbtrain-settings")
         self.widget = widgets.VBox([
-            self.header, self.form.tabs,
-            widgets.VBox([self.memory], layout=box),
-            self.form.error,
-            widgets.VBox([self.runner.buttons_row, self.status, self.notes, yaml_row], layout=box),
+            self.header,
+            widgets.VBox([self.runner.buttons_row, self.status, self.notes], layout=box),
+            self.settings,
             self.dashboard_area,
-        ])
+        ], layout=widgets.Layout(width="100%"))
+        self.widget.add_class("nbtrain-panel")
+
+    def _fold_settings(self, busy: bool) -> None:
+        """Fold the settings while a run goes (the status and the live figure then share one screen); open them
+        again when it ends."""
+        self.settings.selected_index = None if busy else 0
+        self.settings.set_title(0, SETTINGS_FOLDED if busy else SETTINGS_OPEN)
 
     # -- the parts, by their names on the panel -----------------------------------------------
     controls = property(lambda self: self.form.controls, doc="TrainConfig field -> its widget")
@@ -155,9 +171,14 @@ class Panel:
     compare_button = property(lambda self: self.runner.compare_button)
     compare_choices = property(lambda self: self.runner.compare_choices, doc="precision -> its Compare tick box")
     seeds_control = property(lambda self: self.runner.seeds_control,
-                             doc="Compare's noise band: how many extra seeds of the reference to run (0: none)")
+                             doc="Compare's seeds: how many seeds besides the config's own the reference runs "
+                                 "under, for the noise band (0: none)")
+    repeats_control = property(lambda self: self.runner.repeats_control,
+                               doc="Compare's repeats: how many times each precision is timed")
+    verdicts = property(lambda self: self.runner.verdicts, doc="the last Compare's verdicts, above its table")
     difference_view = property(lambda self: self.runner.difference_view,
-                               doc="the difference panel shown after the last Compare (None before one)")
+                               doc="after the last Compare, the finished figure whose last row is the difference "
+                                   "panel, with the seed-noise band (None before one)")
     status = property(lambda self: self.runner.status, doc="the status line")
     notes = property(lambda self: self.runner.notes, doc="the last run's notes and out-of-memory advice")
     dashboard_area = property(lambda self: self.runner.dashboard_area)

@@ -80,6 +80,7 @@ class Job:
         self.processes = 1   # > 1: a launched Train (nbt.launch), whose workers hold the model
         self.revealed = False   # whether its live figure has replaced what the last job left on screen
         self.shown = None       # the widget that shows its live figure
+        self.outcome = None     # its TrainResult or ComparisonResult (None: it failed, or has not ended)
         self.where = ""      # what the status line adds for a launched Train ("2 processes · fsdp")
 
     def halt(self) -> None:
@@ -135,14 +136,16 @@ class StatusCallback:
 
 
 class RevealCallback:
-    """First among a press's callbacks: at its first run's start, the new live figure takes the dashboard area
-    (until then what the last press left stays on screen)."""
+    """Among a press's callbacks: at its first step, the new live figure takes the dashboard area. Until then
+    (loading the model and data, the first forward) what the last press left stays on screen, so that a run
+    that fails before it has a step to show clears nothing; the status line says what is going on."""
 
     def __init__(self, runner: "Runner", job: "Job"):
         self.runner, self.job = runner, job
 
-    def on_run_start(self, info) -> None:
-        self.runner.reveal(self.job)
+    def on_step_end(self, record) -> None:
+        if not self.job.revealed:
+            self.runner.reveal(self.job)
 
 
 class AnswersCallback:
@@ -223,7 +226,7 @@ class Runner:
         self.seeds_control = widgets.Dropdown(
             options=[("1 (no band)", 0)] + [(str(n + 1), n) for n in range(1, MAX_EXTRA_SEEDS + 1)],
             value=0, description="seeds:", style={"description_width": "50px"},
-            layout=widgets.Layout(width="160px", margin="0 0 0 8px"),
+            layout=widgets.Layout(width="200px", margin="0 0 0 8px"),
             tooltip="seeds=(0, 1, 2) is 3: the first precision runs again under each other seed after the "
                     "comparison, and the spread of their loss is the noise band a difference is judged against "
                     "(one extra run each)")
@@ -272,7 +275,7 @@ class Runner:
         return job
 
     def reveal(self, job: Job) -> None:
-        """The job's first run has started: its live figure replaces what the last one left (notes, answers,
+        """The job's first step is done: its live figure replaces what the last one left (notes, answers,
         verdicts and table)."""
         with self._lock:
             if job.revealed or job is not self.job:
@@ -281,7 +284,7 @@ class Runner:
         self.notes.value = ""
         self.answers.value = ""
         self.verdicts.value = ""
-        self.dashboard_area.children = (job.shown,)
+        self.dashboard_area.children = (job.shown,) if job.shown is not None else ()
 
     def _new_dashboard(self) -> list:
         """A new dashboard in the dashboard area; returns the callbacks that draw it (the dashboard first)."""
@@ -304,7 +307,8 @@ class Runner:
         # The figure alone: the runner's status line is the one status (the dashboard's own would repeat it), and
         # the runner's answers block the one block of answers.
         job.shown = dash.figure if dash.widget is not None else self.live_figure.widget
-        return ([RevealCallback(self, job), dash] + ([self.live_figure] if self.live_figure is not None else [])
+        # after the dashboard: at the first step the figure it shows already holds that step
+        return ([dash, RevealCallback(self, job)] + ([self.live_figure] if self.live_figure is not None else [])
                 + [AnswersCallback(self, job)])
 
     def train(self, cfg, processes: int = 1) -> None:
@@ -383,13 +387,13 @@ class Runner:
         self.set_status("stopping after the current step…", render.AMBER)
 
     def wait(self, timeout: Optional[float] = None):
-        """Wait for the current Train or Compare to finish; returns the result or comparison (None if none)."""
+        """Wait for the current Train or Compare to finish; returns its result or comparison (None if it failed)."""
         job = self.job
         if job is None:
             return None
         if not job.done.wait(timeout):
             return None
-        return self.result if job.kind == "train" else self.comparison
+        return job.outcome   # a press that failed returns None; panel.result keeps the last one that ran
 
     def finish(self, job: Job, result=None, comparison=None, error: Optional[BaseException] = None) -> None:
         """End ``job`` once: show its result, comparison or error, then free the buttons."""
@@ -410,17 +414,17 @@ class Runner:
                 if errors:
                     self.on_field_error(errors)
             elif job.kind == "train":
-                self.result = result
+                self.result = job.outcome = result
                 line = render.result_line(result) + (f" · {render.esc(job.where)}" if job.where else "")
                 self.set_status(line, render.status_color(result))
                 self.notes.value = render.notes_block([(None, result)]) + self._launched_note(job)
                 self.answers.value = answers_html(getattr(result, "samples", None))
                 self._settle_dashboard(job)
             else:
-                self.comparison = comparison
+                self.comparison = job.outcome = comparison
                 self.set_status(*_comparison_status(comparison))
-                # The runs' notes are the table's notes column (each variant's, under the table): not again here.
-                self.notes.value = ""
+                # Under the status only what the comparison's own summary (verdicts, table, its notes) does not say.
+                self.notes.value = _unshown_notes(comparison)
                 self.answers.value = ""   # the comparison's summary shows them side by side, variant by variant
                 self._settle_dashboard(job)
                 self._show_comparison(comparison, job)
@@ -488,6 +492,24 @@ class Runner:
             extra = (self.difference_view,)
         shown = (self.verdicts,) if verdicts else ()
         self.dashboard_area.children = (*shown, self.comparison_table, *self.dashboard_area.children, *extra)
+
+
+def _unshown_notes(cmp) -> str:
+    """The notes and advice of a comparison's runs that its summary HTML does not show already, per variant."""
+    from types import SimpleNamespace
+
+    from ..viz.text import run_notes
+
+    shown = cmp.summary_html(details=False) if getattr(cmp, "table", None) is not None else ""
+    runs = []
+    for name, result in (getattr(cmp, "results", None) or {}).items():
+        notes, advice = run_notes(result)
+        notes = [n for n in notes if render.esc(n) not in shown]
+        if advice and all(render.esc(a) in shown for a in advice):
+            advice = []
+        if notes or advice:
+            runs.append((name, SimpleNamespace(summary={"notes": notes, "advice": advice})))
+    return render.notes_block(runs)
 
 
 def _summary_parts(cmp) -> tuple[str, str]:
