@@ -247,9 +247,9 @@ def test_panel_stop_during_compare_stops_it_and_names_what_never_ran():
     status = htmllib.unescape(panel.status.value)
     assert f"stopped — cut at step {steps}: {first}; not run: {second}" in status
     assert render.AMBER in panel.status.value and render.GREEN not in panel.status.value
-    shown = " ".join(_texts(panel.dashboard_area))
+    shown = " ".join(_texts(panel.runner.board))
     assert "ETA" not in shown and "/300" not in shown                # no stale live status line
-    assert panel.comparison_table in panel.dashboard_area.children
+    assert panel.comparison_table in panel.summary_area.children
     assert 'class="nbt-compare-table"' in panel.comparison_table.value
     assert "not run: the comparison was stopped" in panel.comparison_table.value
     assert not panel.train_button.disabled and panel.stop_button.disabled

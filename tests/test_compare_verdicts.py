@@ -328,7 +328,7 @@ def test_panel_noise_band_control_runs_the_seeds_and_shows_verdicts_and_the_diff
     assert 'class="nbt-verdicts"' in panel.verdicts.value
     assert "seed noise from seed runs 6" in panel.verdicts.value
     # one variant: the live figure had no difference row; the difference panel comes after it, with the band
-    assert panel.dashboard_area.children[:2] == (panel.verdicts, panel.comparison_table)
+    assert panel.summary_area.children == (panel.verdicts, panel.comparison_table)
     assert panel.dashboard_area.children[-1] is panel.difference_view
     data = panel.difference_view.outputs[0]["data"]["application/vnd.plotly.v1+json"]
     kinds = [t["meta"]["kind"] for t in data["data"]]

@@ -55,17 +55,41 @@ def answer(fig) -> None:
 
 
 class FakeFrontend:
-    """A callback placed after a dashboard: answers each of its redraws as the browser would."""
+    """A callback placed after a dashboard: answers each of its redraws as the browser would, and keeps every
+    restyle the kernel sent that would remove a property in plotly.js (``removals``): a batch fills what a trace
+    did not change with plotly's Undefined, which plotly.js's restyle takes as "delete" (measured in JupyterLab:
+    lines lost their x)."""
 
     def __init__(self, figure_of):
         self.figure_of = figure_of   # the figure is replaced between runs: ask for it each time
         self.answered = 0
+        self.removals: list = []
         self._seen = None
+        self._watched: set = set()
+
+    def _watch(self, fig) -> None:
+        if id(fig) in self._watched:
+            return
+        self._watched.add(id(fig))
+        from plotly.basedatatypes import Undefined
+
+        def sent(change):
+            msg = change["new"] or {}
+            data = msg.get("style_data") or msg.get("restyle_data") or {}
+            traces = msg.get("style_traces") or msg.get("restyle_traces") or []
+            for prop, values in data.items():
+                for k, v in enumerate(values if isinstance(values, list) else [values]):
+                    if v is Undefined:
+                        idx = traces[k] if isinstance(traces, list) and k < len(traces) else traces
+                        self.removals.append((fig.data[idx].meta if isinstance(idx, int) else idx, prop))
+
+        fig.observe(sent, names=["_py2js_update", "_py2js_restyle"])
 
     def _answer(self) -> None:
         fig = self.figure_of()
         if fig is None or not hasattr(fig, "_js2py_traceDeltas"):
             return
+        self._watch(fig)
         stamp = (id(fig), fig._last_trace_edit_id)
         if stamp != self._seen:
             self._seen = stamp
@@ -172,6 +196,7 @@ def test_a_run_a_stopped_run_and_a_compare_keep_their_x_under_the_front_end():
     assert len(ran) == 4, cmp.table[["variant", "status", "notes"]]
     assert all(r.summary["stopped_reason"] == "max_steps" for r in cmp.results.values())
     assert_traces_at_steps(dash.figure, ran)
+    assert front.removals == []   # nothing the browser would delete (an all-NaN scale line's x, a Δ line's x)
     # the difference panel, once, at each run's steps
     assert {tr.meta["run"] for tr in dash.figure.data if tr.meta["kind"] == "loss_diff"} == set(ran)
 

@@ -64,7 +64,8 @@ def session():
     panel.compare_button.click()
     wait_for(lambda: panel.settings.selected_index is None, 30, "the settings to fold")
     seen["cmp"] = panel.wait(TIMEOUT)
-    seen["after_compare"] = dict(area=panel.dashboard_area.children, figure=panel.dashboard.figure,
+    seen["after_compare"] = dict(area=panel.summary_area.children + panel.dashboard_area.children,
+                                 figure=panel.dashboard.figure,
                                  texts=texts(panel.widget), status=panel.status.value, notes=panel.notes.value)
     return panel, seen
 
@@ -75,9 +76,10 @@ def test_a_train_folds_the_settings_and_shows_the_figure_alone_under_the_status(
     during = seen["during_train"]
     assert during["folded"] is None                           # folded while the run goes
     assert during["area"] == (during["figure"],)             # the figure alone: one status line (the runner's)
-    assert panel.dashboard_area in panel.widget.children and panel.settings in panel.widget.children
+    assert panel.runner.board in panel.widget.children and panel.settings in panel.widget.children
     order = panel.widget.children
-    assert order.index(panel.settings) < order.index(panel.dashboard_area)
+    assert order.index(panel.settings) < order.index(panel.runner.board)
+    assert panel.runner.board.children == (panel.summary_area, panel.dashboard_area)
     assert any(panel.status in getattr(c, "children", ()) for c in order[:order.index(panel.settings)])
 
 
@@ -111,7 +113,7 @@ def test_after_compare_verdicts_then_table_then_figure_each_once(session):
 
 def test_a_start_that_fails_clears_nothing_of_the_last_comparison(session, tmp_path):
     panel, seen = session
-    before = panel.dashboard_area.children
+    before = panel.summary_area.children + panel.dashboard_area.children
     verdicts, table, cmp = panel.verdicts.value, panel.comparison_table.value, panel.comparison
     # a run that starts and fails in its first forward: no step of it to show
     def boom(module, inputs, output):
@@ -127,7 +129,7 @@ def test_a_start_that_fails_clears_nothing_of_the_last_comparison(session, tmp_p
     finally:
         monkeypatch.undo()
     assert "error" in panel.status.value and "boom in the first forward" in panel.status.value
-    assert panel.dashboard_area.children == before                 # the comparison is still on screen
+    assert panel.summary_area.children + panel.dashboard_area.children == before   # the comparison is still there
     assert panel.verdicts.value == verdicts and panel.comparison_table.value == table
     assert panel.comparison is cmp
     assert panel.settings.selected_index == 0                      # and the settings are back to fix it
@@ -135,7 +137,7 @@ def test_a_start_that_fails_clears_nothing_of_the_last_comparison(session, tmp_p
     panel.config = small(data=str(tmp_path / "missing.csv"), subset=None)
     panel.train_button.click()
     assert "not started" in panel.status.value
-    assert panel.dashboard_area.children == before and panel.comparison is cmp
+    assert panel.summary_area.children + panel.dashboard_area.children == before and panel.comparison is cmp
 
 
 def test_the_panel_has_the_controls_its_advice_names():
@@ -154,7 +156,8 @@ def test_a_compare_with_seeds_draws_its_band_in_the_figures_difference_row():
     cmp = panel.wait(TIMEOUT)
     assert cmp is not None and cmp.band is not None and len(cmp.results) == 2
     fig = panel.difference_view
-    assert panel.dashboard_area.children == (panel.verdicts, panel.comparison_table, fig)
+    assert panel.summary_area.children == (panel.verdicts, panel.comparison_table)
+    assert panel.dashboard_area.children == (fig,)     # the figure stays where it was drawn while the run went
     assert fig is panel.dashboard.figure and difference_rows(fig) == 1
     kinds = [t.meta["kind"] for t in fig.data]
     assert kinds.count("noise_band_high") == 1 and kinds.count("noise_band_low") == 1

@@ -491,8 +491,8 @@ def test_compare_in_colab(in_colab):
     cmp = panel.wait(TIMEOUT)
     assert cmp is not None and set(cmp.results) == {"fp32"} and panel.dashboard.mode == "html"
     # the verdicts, the table, then the finished figure
-    assert panel.dashboard_area.children[:2] == (panel.verdicts, panel.comparison_table)
-    assert isinstance(panel.dashboard_area.children[2], ipywidgets.Output)   # the finished figure
+    assert panel.summary_area.children == (panel.verdicts, panel.comparison_table)
+    assert isinstance(panel.dashboard_area.children[0], ipywidgets.Output)   # the finished figure, under them
 
 
 def test_a_run_that_fails_shows_its_error_and_frees_the_buttons(tmp_path):
@@ -521,7 +521,7 @@ def test_compare_runs_the_ticked_precisions_in_the_background():
     assert set(cmp.results) == set(wanted) and len(cmp.table) == len(wanted)
     assert all(r.summary["steps"] == 2 for r in cmp.results.values())
     assert "done" in panel.status.value
-    assert panel.comparison_table in panel.dashboard_area.children
+    assert panel.comparison_table in panel.summary_area.children
     assert not panel.train_button.disabled
 
 

@@ -87,7 +87,7 @@ def test_compare_shows_each_variants_answers_side_by_side():
         for prompt, answer in _answers_at(cmp.results[v].samples, 2).items():
             assert table.loc[prompt, v] == answer
             assert html.escape(answer) in shown
-    assert panel.comparison_table in panel.dashboard_area.children
+    assert panel.comparison_table in panel.summary_area.children
     assert panel.answers.value == ""   # not twice: the comparison's table holds them
 
 

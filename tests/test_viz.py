@@ -1,7 +1,6 @@
 """Figures and the LiveDashboard: exact values, markers, throttling, threads, fallbacks, headless notebooks."""
 
 import base64
-import contextlib
 import math
 import threading
 import time
@@ -249,18 +248,17 @@ def fake_display(monkeypatch):
     return shown
 
 
-def count_batch_updates(fig, clock=None):
-    """Wrap fig.batch_update to count (and timestamp) redraws."""
+def count_redraws(dash, clock=None):
+    """Wrap the dashboard's figure update to count (and timestamp) redraws (a redraw may send several batches:
+    one per set of changed trace properties)."""
     calls = []
-    original = fig.batch_update
+    original = dash._update_figure
 
-    @contextlib.contextmanager
-    def counting():
+    def counting(snap):
         calls.append(clock() if clock else time.monotonic())
-        with original():
-            yield
+        return original(snap)
 
-    fig.batch_update = counting
+    dash._update_figure = counting
     return calls
 
 
@@ -279,7 +277,7 @@ def test_thousand_fast_steps_redraw_at_most_5_per_second_and_end_complete():
     recs = make_records(1000, nan_loss={100}, skip={100, 500}, inf_grad={100, 500})
     dash = LiveDashboard(mode="widget", display=False)
     assert isinstance(dash.figure, go.FigureWidget)
-    calls = count_batch_updates(dash.figure)
+    calls = count_redraws(dash)
     t0 = time.monotonic()
     feed(dash, make_info(total_steps=1000), recs, sleep=0.002)
     elapsed = time.monotonic() - t0
@@ -296,7 +294,7 @@ def test_throttle_spacing_with_a_controlled_clock():
     now = [0.0]
     dash = LiveDashboard(mode="widget", display=False, max_redraws_per_s=5)
     dash.tracker.clock = lambda: now[0]
-    calls = count_batch_updates(dash.figure, clock=lambda: now[0])
+    calls = count_redraws(dash, clock=lambda: now[0])
     dash.on_run_start(make_info(total_steps=1000))
     start_draws = len(calls)
     for r in make_records(1000):

@@ -22,7 +22,7 @@ from typing import Optional
 from ..config import TrainConfig
 from .facts import NUM_LABELS, Architecture, architecture, layer_index, parameter_bytes
 from ..precision import PRECISION_TABLE
-from .sharding import ShardedParts, fsdp_parts
+from .sharding import fsdp_parts
 from .trace import FP8_ALIGN, LayerTrace, LinearSpec, TracedTensor, layer_projections, trace_decoder_layer
 
 

@@ -140,14 +140,14 @@ class Panel:
         # status moves neither the buttons nor the status line: the figure comes up to them.
         self.settings = widgets.Accordion(children=[widgets.VBox([
             self.form.tabs, widgets.VBox([self.memory], layout=box), self.form.error, yaml_row])],
-            titles=(SETTINGS_OPEN,), selected_index=0, layout=widgets.Layout(width="100%"))
+            titles=(SETTINGS_OPEN,), selected_index=0)
         self.settings.add_class("nbtrain-settings")
         self.widget = widgets.VBox([
             self.header,
             widgets.VBox([self.runner.buttons_row, self.status, self.notes], layout=box),
             self.settings,
-            self.dashboard_area,
-        ], layout=widgets.Layout(width="100%"))
+            self.runner.board,
+        ])
         self.widget.add_class("nbtrain-panel")
 
     def _fold_settings(self, busy: bool) -> None:
@@ -181,7 +181,10 @@ class Panel:
                                    "panel, with the seed-noise band (None before one)")
     status = property(lambda self: self.runner.status, doc="the status line")
     notes = property(lambda self: self.runner.notes, doc="the last run's notes and out-of-memory advice")
-    dashboard_area = property(lambda self: self.runner.dashboard_area)
+    dashboard_area = property(lambda self: self.runner.dashboard_area,
+                              doc="the live figure, then the finished one (with the answers under it)")
+    summary_area = property(lambda self: self.runner.summary_area,
+                            doc="after a Compare: its verdicts and compact table, above the figure")
     answers = property(lambda self: self.runner.answers,
                        doc="the sample prompts' answers: the latest during a run, the last step's after a Train")
     dashboard = property(lambda self: self.runner.dashboard, doc="the LiveDashboard of the last press")

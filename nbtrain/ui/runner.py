@@ -201,7 +201,7 @@ class Runner:
         self.compare_thread: Optional[threading.Thread] = None
         self._lock = threading.RLock()
 
-        self.status = widgets.HTML(layout=widgets.Layout(width="100%"))
+        self.status = widgets.HTML()
         self.status.add_class("nbtrain-status")
         self.notes = widgets.HTML()   # the last run's notes and out-of-memory advice, under the status
         self.train_button = widgets.Button(description="Train", button_style="success", icon="play",
@@ -233,8 +233,13 @@ class Runner:
         self.difference_view = None   # the figure whose difference row is read after a Compare
         self.verdicts = widgets.HTML(layout=widgets.Layout(max_width="100%"))   # after a Compare, above the table
         self.verdicts.add_class("nbtrain-verdicts")
-        self.dashboard_area = widgets.VBox(layout=widgets.Layout(width="100%"))
-        self.dashboard_area.add_class("nbtrain-dashboard")
+        # After a Compare the verdicts and the table go in summary_area, above the figure's own area: the figure is
+        # never moved to another place in the page, where a new view of it would be drawn at plotly.js's default
+        # width (a view is drawn before the page holds it).
+        self.summary_area = widgets.VBox()
+        self.dashboard_area = widgets.VBox()
+        self.board = widgets.VBox([self.summary_area, self.dashboard_area])
+        self.board.add_class("nbtrain-dashboard")
         # The sample prompts' answers, under the figure: the latest during a run, the last step's after a Train
         # (after a Compare the comparison's table shows each variant's answers side by side instead).
         self.answers = widgets.HTML(layout=widgets.Layout(max_width="100%"))
@@ -284,6 +289,7 @@ class Runner:
         self.notes.value = ""
         self.answers.value = ""
         self.verdicts.value = ""
+        self.summary_area.children = ()
         self.dashboard_area.children = (job.shown,) if job.shown is not None else ()
 
     def _new_dashboard(self) -> list:
@@ -490,8 +496,9 @@ class Runner:
             self.difference_view.outputs = ({"output_type": "display_data", "metadata": {},
                                              "data": static_bundle(cmp.difference_figure())},)
             extra = (self.difference_view,)
-        shown = (self.verdicts,) if verdicts else ()
-        self.dashboard_area.children = (*shown, self.comparison_table, *self.dashboard_area.children, *extra)
+        self.summary_area.children = ((self.verdicts,) if verdicts else ()) + (self.comparison_table,)
+        if extra:
+            self.dashboard_area.children = (*self.dashboard_area.children, *extra)
 
 
 def _unshown_notes(cmp) -> str:

@@ -44,6 +44,8 @@ import threading
 import time
 from typing import Any, Optional
 
+import numpy as np
+
 from . import figures
 from .text import figure_title
 from .tracker import Tracker
@@ -54,6 +56,24 @@ ENV_VAR = "NBTRAIN_DASHBOARD"
 MODES = ("widget", "html", "text")
 
 _HTML_MIN_INTERVAL = 1.0   # html mode resends the whole figure: at most once a second
+_LIVE_PROPS = ("x", "y", "hovertext", "text")   # what a redraw between rebuilds changes in a trace
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Whether a trace property already holds ``new``: arrays compared by value, NaN equal to NaN."""
+    if old is None or new is None:
+        return old is None and new is None
+    try:
+        a, b = np.asarray(old), np.asarray(new)
+    except (TypeError, ValueError):
+        return False
+    if a.shape != b.shape:
+        return False
+    if a.dtype.kind in "fiu" and b.dtype.kind in "fiu":
+        return bool(np.array_equal(a, b, equal_nan=True))
+    return bool(np.array_equal(a.astype(object), b.astype(object)))
+
+
 _FITS_AFTER_REBUILD = 3    # redraws after a rebuild that size the widget's views to their output (LiveFigureWidget)
 
 
@@ -266,17 +286,23 @@ class LiveDashboard:
         # The difference panel's traces follow the runs' own (runs_figure adds them last).
         diffs = figures.live_difference_traces(snap, {n: figures._PALETTE[k % len(figures._PALETTE)]
                                                       for k, n in enumerate(snap)})
+        # Only what changed is sent, in one batch per set of changed properties. In a batch plotly fills the
+        # properties a trace did not change with "undefined", which plotly.js's restyle takes as "remove": measured
+        # in JupyterLab, an all-NaN scale line (NaN != NaN: its y always "changed") and a difference line whose
+        # steps were complete lost their x, drawn at 0, 1, 2, ... while the kernel's figure kept it.
+        wanted = [(tr, {k: spec[k] for k in _LIVE_PROPS if k in spec}) for tr, spec in zip(fig.data, specs)]
+        wanted += [(tr, {"x": new.x, "y": new.y}) for tr, new in zip(fig.data[len(specs):], diffs)]
+        groups: dict[tuple, list] = {}
+        for tr, props in wanted:
+            changed = {k: v for k, v in props.items() if not _same(tr[k], v)}
+            if changed:
+                groups.setdefault(tuple(sorted(changed)), []).append((tr, changed))
+        for batch in groups.values():
+            with fig.batch_update():
+                for tr, changed in batch:
+                    for k, v in changed.items():
+                        tr[k] = v
         with fig.batch_update():
-            for tr, spec in zip(fig.data, specs):
-                tr.x = spec["x"]
-                tr.y = spec["y"]
-                if "hovertext" in spec:
-                    tr.hovertext = spec["hovertext"]
-                if "text" in spec:
-                    tr.text = spec["text"]
-            for tr, new in zip(fig.data[len(specs):], diffs):
-                tr.x = new.x
-                tr.y = new.y
             if axis != self._scale_axis:   # a skipped step halved the scale: label the new power of two
                 yaxis = fig.get_subplot(*figures.PANEL_CELLS["scale"]).yaxis
                 for key, value in axis.items():   # item by item: update() would open a batch of its own

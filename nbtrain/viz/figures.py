@@ -43,6 +43,7 @@ TENSORS_NOTE = "run tensors, measured on this step (steps 1-3, every 10th and th
 MAX_SCALE_TICKS = 6    # more labels than this on the scale axis crowd into each other
 TITLE_FONT = 14        # figure title
 SUBPLOT_TITLE_FONT = 16  # make_subplots' default for panel titles
+PANEL_TITLE_FONT = 14    # the run grid's panel titles: two side by side in half the width
 
 
 # ------------------------------------------------------------------------------------------------
@@ -422,7 +423,8 @@ def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEI
     """An empty 4-panel figure (loss and grad norm, then loss scale and memory, in a 2 x 2 grid) sharing the step
     axis, each y axis titled with its unit; with ``difference`` (a reference run's name) a panel below them, both
     columns wide, holds each run's loss minus that run's, per step."""
-    titles = ["loss", "gradient norm (unscaled, before clipping)", SCALE_TITLE, memory_title]
+    # short enough for a half-width panel: two titles side by side must not run into each other
+    titles = ["loss", "grad norm (unscaled, before clipping)", SCALE_TITLE, memory_title]
     specs = [[{}, {}], [{}, {}]]
     row_heights = None
     if difference is not None:
@@ -434,6 +436,7 @@ def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEI
     # vertical spacing in pixels, whatever the height: room for a two-line panel title over the next row
     fig = make_subplots(rows=rows, cols=2, specs=specs, shared_xaxes="all", subplot_titles=titles,
                         vertical_spacing=72 / height, horizontal_spacing=0.11, row_heights=row_heights)
+    fig.update_annotations(font_size=PANEL_TITLE_FONT)
     r, c = PANEL_CELLS["grad_norm"]
     fig.update_yaxes(type="log", row=r, col=c)
     fig.update_yaxes(row=PANEL_CELLS["scale"][0], col=PANEL_CELLS["scale"][1], **scale_axis([]))
@@ -472,8 +475,8 @@ def _memory_title(runs: Mapping[str, tuple]) -> str:
     if any(_uses_vram(c, info) for c, _, info in runs.values()):
         return "accelerator memory (GiB)"
     if any(_tensors_measured(c) for c, _, _ in runs.values()):
-        return "host memory: the run's own tensors (GiB, CPU)"
-    return "host memory: process RSS (GiB, CPU run)"
+        return "host memory: run tensors (GiB)"
+    return "host memory: process RSS (GiB)"
 
 
 def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int, col: int = 1) -> None:
@@ -491,7 +494,7 @@ def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int, col: in
         # The panel is empty: in its middle the note hides nothing.
         fig.add_annotation(text=f"no GradScaler ({what} {verb} not need one)", xref=f"{x} domain",
                            yref=f"{y} domain", x=0.5, y=0.5, showarrow=False,
-                           font=dict(size=13, color="#555"), name="no_scaler")
+                           font=dict(size=12, color="#555"), name="no_scaler")
         return
     names = [n for n, _ in without]
     # short: it must fit one half-width panel (precisions that need none: said once, "not needed")
