@@ -208,7 +208,9 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
     train_wall = wall - (sample_s or 0.0)
     last_eval = evals[-1] if evals else None
     by_step, lost = st.lost.shares(), st.lost.share()
-    line = lost_updates_line(st.precision, by_step, st.cfg.stochastic_rounding)
+    # with each sampled step's lr: the sentence says where the largest share fell (at the schedule's end, lr ~ 0)
+    line = lost_updates_line(st.precision, by_step, st.cfg.stochastic_rounding,
+                             lrs={r.step: r.lr for r in records})
     if line and line not in st.notes:
         st.notes.append(line)
     return RunSummary(
