@@ -438,7 +438,8 @@ def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEI
                         vertical_spacing=72 / height, horizontal_spacing=0.11, row_heights=row_heights)
     fig.update_annotations(font_size=PANEL_TITLE_FONT)
     r, c = PANEL_CELLS["grad_norm"]
-    fig.update_yaxes(type="log", row=r, col=c)
+    # labels at 1, 2, 5 of each decade: every digit (plotly's default) crowds a half-width panel
+    fig.update_yaxes(type="log", dtick="D2", row=r, col=c)
     fig.update_yaxes(row=PANEL_CELLS["scale"][0], col=PANEL_CELLS["scale"][1], **scale_axis([]))
     _axis_titles(fig, {PANEL_CELLS["loss"]: f"loss ({loss_unit})", PANEL_CELLS["grad_norm"]: "grad norm (L2)",
                        PANEL_CELLS["scale"]: "loss scale", PANEL_CELLS["memory"]: "memory (GiB)",

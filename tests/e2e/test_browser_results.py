@@ -212,7 +212,12 @@ def test_comparison_results_in_browser(lab):
             _run_all(page)
             prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
             expect(prompts).to_have_count(1 + len(CELLS))
-            _wait_until_ran(nb, RUN_ALL_TIMEOUT_S, lab)
+            try:
+                _wait_until_ran(nb, RUN_ALL_TIMEOUT_S, lab)
+            except AssertionError as e:   # what the browser said on the way is the likeliest clue
+                e.add_note("browser console errors:\n" + "\n".join(problems[-20:]))
+                page.screenshot(path=str(ARTIFACTS / "e2e-results-run-all.png"), full_page=True)
+                raise
             fire_canary(page, nb, record)
             cells = nb.locator(".jp-CodeCell")
 
