@@ -21,7 +21,7 @@ from .. import verdicts as _verdicts
 from ..config import TrainConfig
 from ..hardware import capabilities, default_device, resolve_precision
 from ..precision import PRECISION_TABLE
-from ..engine.doctor import lost_updates_of, notes_with_lr
+from ..engine.doctor import lost_updates_of
 from ..engine.sampling import sample_frame, side_by_side
 from .render import ComparisonViews
 
@@ -134,8 +134,7 @@ def _speed_columns(sp: Optional[_verdicts.Speed], floor: float) -> dict[str, Any
 def _run_notes(o: _Outcome, caps) -> list[str]:
     """Notes a finished run earns: slow precision, skipped / non-finite steps, an early stop."""
     s = o.result.summary
-    # the engine's own: an out-of-memory stop, auto batch size, a resume; lost updates said as the verdict says them
-    notes = notes_with_lr(list(s.get("notes") or []), o.result)
+    notes = list(s.get("notes") or [])   # the engine's own: an out-of-memory stop, auto batch size, a resume
     for option in (s["precision_used"], o.config.method, o.config.optimizer):
         if caps.notes.get(option):   # name the option unless the variant is already named after it
             notes.append(caps.notes[option] if option == o.name else f"{option}: {caps.notes[option]}")

@@ -304,13 +304,3 @@ def lost_updates_of(result: Any) -> Optional[str]:
                              bool(getattr(cfg, "stochastic_rounding", False)),
                              history_lrs(getattr(result, "history", None)))
 
-
-def notes_with_lr(notes: list[str], result: Any) -> list[str]:
-    """``notes`` with the engine's lost-update sentence, written at the run's end without the lrs, said as
-    ``lost_updates_of`` says it (the verdict's words): one sentence, not two versions of it."""
-    s, cfg = getattr(result, "summary", None) or {}, getattr(result, "config", None)
-    plain = lost_updates_line(s.get("precision_used") or getattr(cfg, "precision", ""),
-                              s.get("lost_updates_by_step"), bool(getattr(cfg, "stochastic_rounding", False)))
-    if not plain or plain not in notes:
-        return list(notes)
-    return [lost_updates_of(result) if n == plain else n for n in notes]

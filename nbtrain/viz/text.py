@@ -137,10 +137,8 @@ def figure_title(infos: dict, limit: int = 90) -> str:
 def run_notes(result: Any) -> tuple[list[str], list[str]]:
     """``(notes, advice)`` of a finished run: the engine's ``summary["notes"]`` and, after an out-of-memory
     stop, the first few changes of ``summary["advice"]`` (with a pointer to the rest)."""
-    from ..engine.doctor import notes_with_lr   # the lost-update sentence with the lr where its most fell
-
     summ = getattr(result, "summary", None) or {}
-    notes = [str(n) for n in notes_with_lr(list(summ.get("notes") or []), result)]
+    notes = [str(n) for n in (summ.get("notes") or [])]
     advice = [str(a) for a in (summ.get("advice") or [])]
     if len(advice) > _MAX_ADVICE:
         advice = advice[:_MAX_ADVICE] + [f"… {len(advice) - _MAX_ADVICE} more in result.summary['advice']"]
