@@ -69,7 +69,9 @@ for p, box in stop_panel.compare_choices.items():
     box.value = p in ("fp32", "fp16", "bf16") and not box.disabled
 stop_panel""",
     # 5: the one-screen session: a long Train the browser stops, then a short Compare of four precisions
-    """session = nbt.Panel(config=cfg.replace(max_steps=400))
+    # (20,000 steps: a tiny step takes milliseconds, and a loaded browser may draw the first points seconds late;
+    # the run must still be going when the test looks, and Stop ends it)
+    """session = nbt.Panel(config=cfg.replace(max_steps=20_000))
 for p, box in session.compare_choices.items():
     box.value = p in ("fp32", "fp16", "bf16", "bf16-pure") and not box.disabled
 session""",
