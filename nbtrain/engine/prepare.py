@@ -23,6 +23,7 @@ from ..data.chat import describe_template, ensure_chat_tokens
 from ..hardware import capabilities, check_runnable, default_device
 from ..models import build_model, check_lora_targets, count_params, load_tokenizer
 from ..models.lean import lean_layers
+from ..models.loading import source_notes
 from ..models.methods import method_notes
 from ..models.tensors import apply_tensor_precision
 from ..precision import PRECISION_TABLE, PrecisionSpec, global_torch_state
@@ -138,6 +139,10 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
             notes.append(f"chat data: {data.stats['truncated_examples']} example(s) cut to max_seq_len={cfg.max_seq_len} "
                          f"at a turn or inside an answer, {data.stats['dropped_no_answer']} dropped (no answer token "
                          "left)")
+        if data.stats.get("history_trimmed"):
+            notes.append(f"chat data: {data.stats['history_trimmed']} conversation(s) longer than max_seq_len="
+                         f"{cfg.max_seq_len} kept their last answer by dropping their earliest turns (train_on='last', "
+                         "as LLaMA-Factory's mask_history)")
     # The run's stream, from a fresh seed so the initial weights do not depend on how much randomness data
     # loading used; initial weights, dropout and the batch-size probe draw from it alone, never from the
     # caller's or a concurrent run's.
@@ -147,6 +152,7 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     build_on = "cpu" if dist.sharded else device
     with rng.active():
         model = build_model(cfg, tokenizer, data.num_labels, precision, build_on, label_names=data.label_names)
+    notes.extend(source_notes(cfg.model))   # a GGUF model: what its weights were dequantized from
     notes.extend(method_notes(model))   # e.g. the added chat tokens' rows that train under LoRA
     init_hash = weights_hash(model) if hash_init else None
     # bf16 weights (bf16-pure) or float8 linears (fp8) after the hash: every precision starts from one init

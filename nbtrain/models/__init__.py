@@ -1,18 +1,20 @@
-"""Models: the ``tiny`` and ``tiny-vit`` presets, loading from a directory or the Hub, full / LoRA / QLoRA,
-saving."""
+"""Models: the ``tiny`` and ``tiny-vit`` presets, the pretrained ``smollm2-135m-instruct``, loading from a directory,
+a GGUF file or the Hub, full / LoRA / QLoRA, saving."""
 
 from __future__ import annotations
 
 import torch
 
 from ..config import ConfigError, TrainConfig
-from .loading import ModelError, known_module_names, load_image_processor, load_tokenizer, resolve_source
+from .loading import (ModelError, known_module_names, load_image_processor, load_tokenizer, local_source,
+                      resolve_source, source_notes)
 from .methods import build_model
 from .presets import PRESETS, ModelPreset
 from .saving import save_model
 
 __all__ = ["PRESETS", "ModelError", "ModelPreset", "build_model", "check_lora_targets", "count_params",
-           "known_module_names", "load_image_processor", "load_tokenizer", "resolve_source", "save_model"]
+           "known_module_names", "load_image_processor", "load_tokenizer", "local_source", "resolve_source",
+           "save_model", "source_notes"]
 
 
 def _real_numel(p: torch.Tensor) -> int:

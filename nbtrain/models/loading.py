@@ -1,4 +1,4 @@
-"""Where a model comes from (a preset, a local directory or a Hub id) and how it is loaded."""
+"""Where a model comes from (a preset, a local directory, a GGUF file or a Hub id) and how it is loaded."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from .presets import PRESETS, build_preset_model, preset_image_processor, preset_tokenizer
+from . import gguf
+from .presets import PRESETS, build_preset_model, preset_gguf, preset_image_processor, preset_tokenizer
 
 CAUSAL_LM = "causal-lm"
 SEQ_CLS = "sequence-classification"
@@ -26,10 +27,15 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where ``TrainConfig.model`` points: ``kind`` is "preset", "local" or "hub"."""
+    """Where ``TrainConfig.model`` points: ``kind`` is "preset" (built from a config), "local", "gguf" or "hub".
+
+    A "gguf" source (a ``.gguf`` file, a folder holding one, or a pretrained preset) becomes "local" once
+    ``local_source`` has its dequantized copy; ``gguf`` then keeps the file's path."""
 
     kind: str
-    name: str          # preset name, absolute directory, or Hub id
+    name: str          # preset name, absolute directory, GGUF file, or Hub id
+    preset: str = ""   # the pretrained preset it came from, if any
+    gguf: str = ""     # the GGUF file a "local" source was converted from
 
     @property
     def is_preset(self) -> bool:
@@ -37,20 +43,52 @@ class ModelSource:
 
 
 def resolve_source(model: str) -> ModelSource:
-    """Classify ``model``: a preset name, an existing local directory, or (otherwise) a Hub id."""
+    """Classify ``model``: a preset name, an existing local directory, a GGUF file (or a folder holding one), or
+    (otherwise) a Hub id. Cheap: nothing is read or converted (``local_source`` does that)."""
     if model in PRESETS:
+        if PRESETS[model].is_pretrained:
+            return ModelSource("gguf", str(preset_gguf(model)), preset=model)
         return ModelSource("preset", model)
     path = Path(model).expanduser()
     if path.exists():
+        try:
+            found = gguf.find_gguf(path)
+        except gguf.GGUFError as e:
+            raise ModelError(str(e)) from None
+        if found is not None:
+            return ModelSource("gguf", str(found))
         if not path.is_dir():
-            raise ModelError(f"model {model!r}: is a file; pass the directory that holds config.json "
-                             f"(or a preset: {sorted(PRESETS)})")
+            raise ModelError(f"model {model!r}: is a file; pass the directory that holds config.json, a .gguf "
+                             f"file, or a preset: {sorted(PRESETS)}")
         return ModelSource("local", str(path.resolve()))
-    if model.startswith(("/", "./", "../", "~", ".\\")) or model.endswith(("/", os.sep)) \
+    if model.startswith(("/", "./", "../", "~", ".\\")) or model.endswith(("/", os.sep, gguf.SUFFIX)) \
             or model.count("/") > 1:
-        raise ModelError(f"model {model!r}: no such directory (a model is a preset {sorted(PRESETS)}, "
-                         "a local directory with config.json, or a Hub id like 'org/name')")
+        raise ModelError(f"model {model!r}: no such file or directory (a model is a preset {sorted(PRESETS)}, "
+                         "a local directory with config.json, a .gguf file, or a Hub id like 'org/name')")
     return ModelSource("hub", model)
+
+
+def local_source(src: ModelSource) -> ModelSource:
+    """``src`` itself, or for a GGUF source its dequantized safetensors folder (converted once, then cached)."""
+    if src.kind != "gguf":
+        return src
+    try:
+        folder = gguf.ensure_converted(Path(src.name))
+    except gguf.GGUFError as e:
+        raise ModelError(str(e)) from None
+    return ModelSource("local", str(folder), preset=src.preset, gguf=src.name)
+
+
+def source_notes(model: str) -> list[str]:
+    """What the run notes say about where the weights came from: for a GGUF model, the format they were
+    dequantized from (e.g. Q4_1) and where the converted copy is cached."""
+    src = resolve_source(model)
+    if src.kind != "gguf":
+        return []
+    try:
+        return [gguf.info(Path(src.name)).describe()]
+    except gguf.GGUFError as e:
+        raise ModelError(str(e)) from None
 
 
 def _hub_error(name: str, what: str, err: Exception, cache_only: bool = False) -> ModelError:
@@ -103,7 +141,7 @@ def load_image_processor(cfg):
     ``.notes`` says so."""
     from ..data.images import PROCESSOR_CONFIG, TorchImageProcessor
 
-    src = resolve_source(cfg.model)
+    src = local_source(resolve_source(cfg.model))
     if src.is_preset:
         _check_preset_task(src.name, IMG_CLS)
         return preset_image_processor(src.name)
@@ -147,7 +185,7 @@ def load_tokenizer(cfg):
     """
     if cfg.task == IMG_CLS:
         return load_image_processor(cfg)
-    src = resolve_source(cfg.model)
+    src = local_source(resolve_source(cfg.model))
     if src.is_preset:
         _check_preset_task(src.name, cfg.task)
         tok = preset_tokenizer(src.name)
@@ -218,10 +256,21 @@ def meta_model(model: str, task: str, num_labels: int | None = None,
     """The architecture of ``model`` for ``task`` on the meta device: no memory, no weights read
     (``local_only``: a Hub id must already be in the local cache)."""
     src = resolve_source(model)
+    if src.preset:
+        _check_preset_task(src.preset, task)
     if src.is_preset:
         _check_preset_task(src.name, task)
         config = PRESETS[src.name].make_config(None, task, num_labels or 2)
+    elif src.kind == "gguf" and not gguf.is_converted(Path(src.name)):
+        # the architecture only: read from the file's metadata, without dequantizing the weights
+        try:
+            config = gguf.read_config(Path(src.name))
+        except gguf.GGUFError as e:
+            raise ModelError(str(e)) from None
+        if task in CLASSIFIERS and num_labels:
+            config.num_labels = int(num_labels)
     else:
+        src = local_source(src)
         if src.kind == "local":
             _check_local(src)
         config = _pretrained_config(src, task, num_labels, local_only=local_only)
@@ -246,7 +295,10 @@ def linear_module_names(model: torch.nn.Module) -> set[str]:
 
 
 def _stamp(model: str) -> float | None:
-    cfg_file = Path(model).expanduser() / "config.json"
+    path = Path(model).expanduser()
+    if path.is_file():   # a GGUF file
+        return path.stat().st_mtime
+    cfg_file = path / "config.json"
     return cfg_file.stat().st_mtime if cfg_file.is_file() else None
 
 
@@ -282,7 +334,9 @@ def load_base_model(cfg, tokenizer, num_labels: int | None, device: str, quantiz
     if task in CLASSIFIERS and not num_labels:
         raise ModelError(f"num_labels: task {task!r} needs the number of labels (>= 1), got "
                          f"{num_labels!r}")
-    src = resolve_source(cfg.model)
+    src = local_source(resolve_source(cfg.model))
+    if src.preset:
+        _check_preset_task(src.preset, task)
     if src.is_preset:
         _check_preset_task(src.name, task)
         model = build_preset_model(src.name, tokenizer, task, num_labels)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .loading import CAUSAL_LM, ModelError, resolve_source
+from .loading import CAUSAL_LM, ModelError, local_source, resolve_source
 
 BASE_DIR = "base_model"
 CONFIG_FILE = "nbtrain.yaml"
@@ -153,7 +153,7 @@ def _base_reference(cfg, path: Path) -> str:
     src = resolve_source(cfg.model)
     if src.is_preset:
         return str((path / BASE_DIR).resolve())
-    return src.name
+    return local_source(src).name   # a GGUF model's converted folder: what from_pretrained can load
 
 
 def save_model(model, tokenizer, cfg, path, merged: bool = False) -> Path:
