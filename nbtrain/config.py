@@ -174,6 +174,10 @@ class TrainConfig(BaseModel):
     columns: dict[str, str] = Field({}, description="the data's own column names for the format's, e.g. "
                                     "{instruction: question, output: answer} (LLaMA-Factory's dataset_info columns); "
                                     "blank = the format's names")
+    dataset_entry: Optional[str] = Field(None, description="data= a LLaMA-Factory data folder: the entry of its "
+                                         "dataset_info.json to train on (LLaMA-Factory's dataset:); several, "
+                                         "comma-separated, are concatenated in that order; blank = the folder's "
+                                         "only entry")
     chat_template: str = Field("auto", description="chat data: auto (the tokenizer's own), chatml, llama3, alpaca "
                                "(### Instruction / ### Response) or a Jinja template string")
     train_on: TrainOn = Field("completion", description="chat data: which tokens carry the loss: completion (every "
@@ -288,6 +292,18 @@ class TrainConfig(BaseModel):
             return v
         raise ValueError(f"unknown chat template {name!r}; choose from {', '.join(CHAT_TEMPLATES)} or give a Jinja "
                          "template string (with {{ ... }} / {% ... %})")
+
+    @field_validator("dataset_entry", mode="before")
+    @classmethod
+    def _entries(cls, v):
+        # "a,b" (LLaMA-Factory's dataset:, the CLI's --set) or a list of names; None or blank = none named
+        if v is None or (isinstance(v, str) and not v.strip()):
+            return None
+        items = v.split(",") if isinstance(v, str) else v
+        if not isinstance(items, (list, tuple)) or not all(isinstance(t, str) and t.strip() for t in items):
+            raise ValueError(f"must name entries of the data folder's dataset_info.json, e.g. 'alpaca_en' or "
+                             f"'alpaca_en,glaive' (no empty name); got {v!r}")
+        return ",".join(t.strip() for t in items)
 
     @field_validator("sample_prompts", mode="before")
     @classmethod

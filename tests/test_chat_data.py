@@ -169,7 +169,7 @@ def test_masks_equal_retokenized_prefixes(tok, template, train_on):
     jinja = chat.resolve_template(tok, cfg)[1]
     convs = [CONV, CONV[1:], CONV[:3], [CONV[1], {"role": "assistant", "content": "ok" * 30}]]
     exs, counts = chat.tokenize_conversations(tok, cfg, convs, None)
-    assert counts == {"truncated_examples": 0, "dropped_no_answer": 0}
+    assert counts == {"truncated_examples": 0, "dropped_no_answer": 0, "history_trimmed": 0}
     for conv, ex in zip(convs, exs):
         got = {j for j, t in enumerate(ex["labels"]) if t != -100}
         assert got == _independent_targets(tok, jinja, conv, train_on)

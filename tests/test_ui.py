@@ -92,6 +92,7 @@ CHANGES = {
     "report_to": ("[tensorboard]", ["tensorboard"]),
     "data_format": ("alpaca", "alpaca"),
     "columns": ("{output: answer}", {"output": "answer"}),
+    "dataset_entry": ("alpaca_en, glaive", "alpaca_en,glaive"),
     "chat_template": ("chatml", "chatml"),
     "train_on": ("last", "last"),
     "sample_prompts": ("What does the with statement do?\n\nWhat is a list?", ["What does the with statement do?",

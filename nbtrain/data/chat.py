@@ -4,13 +4,20 @@
 one, else ChatML; ``"chatml"``, ``"llama3"`` and ``"alpaca"`` are built in (Jinja strings below); anything else is
 a Jinja template used as given. The ``tiny`` preset's tokenizer has no template and no ChatML tokens:
 ``ensure_chat_tokens`` adds ``<|im_start|>`` / ``<|im_end|>`` to it as special tokens, only when chat is used, so
-plain-text runs keep today's vocabulary bit for bit.
+plain-text runs keep today's vocabulary bit for bit. A Jinja string gets the same treatment for the
+``<|...|>`` markers it writes literally (``template_markers``), so they are single tokens and sampling can stop at
+its end-of-turn marker (``end_of_turn_ids``).
+
+Answer targets are each answer's content and its end marker, as the template draws them. Some templates write
+text after the last message whatever ``add_generation_prompt`` says (Meta's first Llama 3 template appends the
+assistant's header); ``dangling_tail`` finds that text once per template and it is never a target.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,8 +66,22 @@ def resolve_template(tokenizer, cfg: TrainConfig) -> tuple[str, str]:
     return "custom", cfg.chat_template
 
 
+# the "<|name|>" markers of ChatML, Llama 3, Phi-3 and others: what a Jinja string writes as special tokens
+_MARKER = re.compile(r"<\|[A-Za-z0-9_.:/-]+\|>")
+
+
+def template_markers(jinja: str) -> tuple[str, ...]:
+    """The ``<|...|>``-style markers a Jinja template writes literally (``<|im_start|>``, ``<|eot_id|>``, ...), in
+    order of first appearance."""
+    return tuple(dict.fromkeys(_MARKER.findall(jinja)))
+
+
 def _needed_tokens(tokenizer, cfg: TrainConfig) -> tuple[str, ...]:
-    name, _ = resolve_template(tokenizer, cfg)
+    name, jinja = resolve_template(tokenizer, cfg)
+    if name == "custom":
+        # a byte-split marker is not a marker: the model would have to learn to spell it, and sampling could not
+        # stop at it
+        return template_markers(jinja)
     return TEMPLATE_TOKENS.get(name, ())
 
 
@@ -92,6 +113,77 @@ def render(tokenizer, jinja: str, conversations: list[list[dict]], add_generatio
     out = tokenizer.apply_chat_template(conversations, chat_template=jinja, tokenize=False,
                                         add_generation_prompt=add_generation_prompt)
     return list(out)
+
+
+# probe contents: plain words no template trims or escapes, distinct in their last character so that no text
+# after one of them can be mistaken for text after another
+_PROBE = ("Quxa", "Zopb", "Qwic", "Zeld")
+_TAILS: dict[tuple, str] = {}
+
+
+def _probe_render(tokenizer, jinja: str, turns: int) -> str | None:
+    conv = [{"role": ("user", "assistant")[i % 2], "content": _PROBE[i]} for i in range(turns)]
+    try:
+        return render(tokenizer, jinja, [conv])[0]
+    except Exception:  # noqa: BLE001 - a template may refuse the probe (raise_exception): then nothing is known
+        return None
+
+
+def _marker_end(tokenizer, text: str, limit: int) -> int | None:
+    """The end of the first end-of-turn-like marker in ``text`` that ends by ``limit``: a ``<|...|>`` marker or
+    the tokenizer's EOS."""
+    found = [(m.start(), m.end()) for m in _MARKER.finditer(text)]
+    eos = getattr(tokenizer, "eos_token", None)
+    if isinstance(eos, str) and eos and eos in text:
+        at = text.index(eos)
+        found.append((at, at + len(eos)))
+    ends = [e for _, e in sorted(found) if e <= limit]
+    return ends[0] if ends else None
+
+
+def dangling_tail(tokenizer, jinja: str) -> str:
+    """The text ``jinja`` writes after the last message of every conversation even without
+    ``add_generation_prompt`` ("" for most templates; Meta's first Llama 3 template appends
+    ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``). Found once per template from two probe
+    conversations: after an answer that ends the conversation the template writes the end marker and this tail;
+    after one that does not, the end marker and the next turn's header. The end marker is the text both share, up
+    to its first ``<|...|>`` marker or EOS (a header opens with a marker too)."""
+    key = (jinja, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+    if key in _TAILS:
+        return _TAILS[key]
+    tail = ""
+    one, two = _probe_render(tokenizer, jinja, 2), _probe_render(tokenizer, jinja, 4)
+    if one and two and _PROBE[1] in one and _PROBE[1] in two and _PROBE[2] in two:
+        last = one[one.rindex(_PROBE[1]) + len(_PROBE[1]):]
+        a = two.index(_PROBE[1]) + len(_PROBE[1])
+        mid = two[a: two.index(_PROBE[2], a)]
+        if last and not mid.startswith(last):
+            shared = 0
+            while shared < min(len(last), len(mid)) and last[shared] == mid[shared]:
+                shared += 1
+            end = _marker_end(tokenizer, last, shared)
+            tail = last[shared if end is None else end:]
+    _TAILS[key] = tail
+    return tail
+
+
+def end_of_turn_ids(tokenizer, cfg: TrainConfig) -> set[int]:
+    """The token that ends an answer under ``cfg.chat_template`` (``<|im_end|>``, ``<|eot_id|>``, EOS, or a custom
+    template's own marker), as a set of ids: the first token the template writes after an answer's content, when
+    it is a special token of ``tokenizer``. Empty when it is none (or the template refuses a probe)."""
+    _, jinja = resolve_template(tokenizer, cfg)
+    text = _probe_render(tokenizer, jinja, 2)
+    if not text or _PROBE[1] not in text:
+        return set()
+    after = text[text.rindex(_PROBE[1]) + len(_PROBE[1]):]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    if not ids:
+        return set()
+    first = tokenizer.convert_ids_to_tokens(int(ids[0]))
+    special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    added = {t.content for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()
+             if getattr(t, "special", False)}
+    return {int(ids[0])} if first in special or first in added else set()
 
 
 def conversation(prompt: str, system: str | None = None) -> list[dict[str, str]]:
@@ -141,13 +233,17 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 ROLES = ("system", "user", "assistant")
 
 
-def dataset_info(path: Path) -> dict | None:
+def dataset_info(path: Path, entry: str | None = None) -> dict | None:
     """The LLaMA-Factory ``dataset_info.json`` entry for a data file or directory, when its folder has one:
-    ``{"formatting", "columns", "tags", "file_name"}``. A folder of several entries picks the one naming the file (or,
-    for a directory, the only entry)."""
+    ``{"formatting", "columns", "tags", "file_name"}``. ``entry`` names it (``cfg.dataset_entry``); else a file
+    takes the entry naming it, and a directory its only entry, or the only one whose file is there. A directory
+    whose entries leave the choice open is a ``DataError`` that lists them."""
     folder = path if path.is_dir() else path.parent
     info_file = folder / "dataset_info.json"
     if not info_file.is_file():
+        if entry is not None:
+            raise DataError(f"dataset_entry: {entry!r} names an entry of a LLaMA-Factory dataset_info.json, and "
+                            f"'{folder}' has none; give data= the folder that holds it, or leave dataset_entry blank")
         return None
     try:
         info = json.loads(info_file.read_text(encoding="utf-8"))
@@ -156,13 +252,23 @@ def dataset_info(path: Path) -> dict | None:
     if not isinstance(info, dict) or not all(isinstance(v, dict) for v in info.values()):
         raise DataError(f"data: '{info_file}' must map dataset names to entries (objects with file_name, "
                         "formatting, columns, tags)")
+    if entry is not None:
+        if entry not in info:
+            raise DataError(f"dataset_entry: {entry!r} is not an entry of '{info_file}'; its entries: "
+                            f"{', '.join(info) or '(none)'}")
+        return info[entry]
     entries = list(info.values())
     if path.is_file():
         hits = [e for e in entries if e.get("file_name") == path.name]
-    else:
-        hits = [e for e in entries if e.get("file_name") and (folder / e["file_name"]).exists()]
-        hits = hits if len(hits) == 1 else (entries if len(entries) == 1 else [])
-    return hits[0] if hits else None
+        return hits[0] if hits else None
+    if len(entries) <= 1:
+        return entries[0] if entries else None
+    here = [e for e in entries if e.get("file_name") and (folder / e["file_name"]).exists()]
+    if len(here) == 1:   # only one of them is a file in this folder (the others are Hub datasets): no choice
+        return here[0]
+    raise DataError(f"data: '{folder}' is a LLaMA-Factory data folder whose dataset_info.json has {len(entries)} "
+                    f"entries ({', '.join(info)}); name the one to train on with dataset_entry= (several, "
+                    "comma-separated, are concatenated)")
 
 
 def columns_from_info(entry: dict, fmt: str) -> dict[str, str]:
@@ -336,42 +442,77 @@ def tokenize_conversations(tokenizer, cfg: TrainConfig, convs: list[list[dict]],
 
     The conversation is rendered with the template and tokenized once with character offsets; a token is a target
     when it starts inside an assistant turn's span, which runs from the end of the rendered prefix before that turn
-    (with the generation prompt) to the end of the prefix through it (its content and end marker), as the template
-    itself draws them. ``train_on``: "completion" every assistant turn, "last" the final one, "all" every token.
-    Longer than ``max_len``: cut at the latest turn end, or inside an answer's content, never inside a template
+    (with the generation prompt) to the end of the prefix through it (its content and end marker, without the
+    template's ``dangling_tail``), as the template itself draws them. ``train_on``: "completion" every assistant
+    turn, "last" the final one, "all" every token.
+    Longer than ``max_len``: with ``train_on="last"`` the earliest whole exchanges (user turn and answer) are
+    dropped first, the system message kept while it fits, as LLaMA-Factory's ``mask_history`` keeps the last turn
+    (``history_trimmed``). Then: cut at the latest turn end, or inside an answer's content, never inside a template
     marker; a conversation left with no answer token is dropped (``dropped_no_answer``)."""
     _, jinja = resolve_template(tokenizer, cfg)
+    tail = dangling_tail(tokenizer, jinja)
     out: list[dict] = []
-    counts = {"truncated_examples": 0, "dropped_no_answer": 0}
+    counts = {"truncated_examples": 0, "dropped_no_answer": 0, "history_trimmed": 0}
     for start in range(0, len(convs), _CHUNK):
         chunk = convs[start: start + _CHUNK]
-        fulls = render(tokenizer, jinja, chunk)
-        turns = [(c, i) for c, conv in enumerate(chunk) for i, m in enumerate(conv) if m["role"] == "assistant"]
-        befores = render(tokenizer, jinja, [chunk[c][:i] for c, i in turns], add_generation_prompt=True)
-        throughs = render(tokenizer, jinja, [chunk[c][: i + 1] for c, i in turns])
-        enc = tokenizer(fulls, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False,
-                        return_token_type_ids=False, verbose=False)
-        spans: list[list[tuple[int, int, int, int]]] = [[] for _ in chunk]   # (start, end, content0, content1)
-        cursor = [0] * len(chunk)
-        for (c, i), before, through in zip(turns, befores, throughs):
-            full, content = fulls[c], chunk[c][i]["content"]
-            if full.startswith(before) and full.startswith(through):
-                s, e = len(before), len(through)
-            else:   # a template whose prefixes are not prefixes of the whole (it rewrites earlier turns)
-                s = full.find(content, cursor[c])
-                if s < 0:
-                    raise DataError(f"chat_template: the template does not write assistant turns verbatim (row "
-                                    f"{start + c}), so their tokens cannot be found; use chatml, llama3 or alpaca")
-                e = s + len(content)
-            c0 = full.find(content, s, e) if content else s
-            c0 = s if c0 < 0 else c0
-            spans[c].append((s, e, c0, min(e, c0 + len(content))))
-            cursor[c] = e
-        for c, (ids, offsets) in enumerate(zip(enc["input_ids"], enc["offset_mapping"])):
-            ex = _mask(list(ids), [tuple(o) for o in offsets], spans[c], cfg.train_on, max_len, counts)
+        for c, enc in enumerate(_encode(tokenizer, jinja, tail, chunk, start)):
+            trimmed = False
+            if cfg.train_on == "last" and max_len is not None and len(enc[0]) > max_len:
+                shorter = _trim_history(tokenizer, jinja, tail, chunk[c], max_len, start + c)
+                if shorter is not None:
+                    enc, trimmed = shorter, True
+            ex = _mask(enc[0], enc[1], enc[2], cfg.train_on, max_len, counts)
             if ex is not None:
                 out.append(ex)
+                counts["history_trimmed"] += trimmed
     return out, counts
+
+
+def _encode(tokenizer, jinja: str, tail: str, chunk: list[list[dict]], row0: int) -> list[tuple]:
+    """``(ids, offsets, answer spans)`` of each conversation; a span is (start, end, content start, content end)
+    in characters of the rendered text."""
+    fulls = render(tokenizer, jinja, chunk)
+    turns = [(c, i) for c, conv in enumerate(chunk) for i, m in enumerate(conv) if m["role"] == "assistant"]
+    befores = render(tokenizer, jinja, [chunk[c][:i] for c, i in turns], add_generation_prompt=True)
+    throughs = render(tokenizer, jinja, [chunk[c][: i + 1] for c, i in turns])
+    enc = tokenizer(fulls, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False,
+                    return_token_type_ids=False, verbose=False)
+    spans: list[list[tuple[int, int, int, int]]] = [[] for _ in chunk]
+    cursor = [0] * len(chunk)
+    for (c, i), before, through in zip(turns, befores, throughs):
+        if tail and through.endswith(tail):
+            # what the template writes after any last message (a header with no answer) is not this answer's end
+            through = through[: len(through) - len(tail)]
+        full, content = fulls[c], chunk[c][i]["content"]
+        if full.startswith(before) and full.startswith(through):
+            s, e = len(before), len(through)
+        else:   # a template whose prefixes are not prefixes of the whole (it rewrites earlier turns)
+            s = full.find(content, cursor[c])
+            if s < 0:
+                raise DataError(f"chat_template: the template does not write assistant turns verbatim (row "
+                                f"{row0 + c}), so their tokens cannot be found; use chatml, llama3 or alpaca")
+            e = s + len(content)
+        c0 = full.find(content, s, e) if content else s
+        c0 = s if c0 < 0 else c0
+        spans[c].append((s, e, c0, min(e, c0 + len(content))))
+        cursor[c] = e
+    return [(list(ids), [tuple(o) for o in offsets], spans[c])
+            for c, (ids, offsets) in enumerate(zip(enc["input_ids"], enc["offset_mapping"]))]
+
+
+def _trim_history(tokenizer, jinja: str, tail: str, conv: list[dict], max_len: int, row: int) -> tuple | None:
+    """The conversation with its earliest exchanges dropped: the longest such that fits ``max_len`` (the system
+    message kept), else the last exchange alone (without the system message), to be cut like any long example.
+    None when there is no history to drop."""
+    system = [m for m in conv[:1] if m["role"] == "system"]
+    body = conv[len(system):]
+    # an exchange starts at a user turn that follows an answer; the last one holds the final answer
+    starts = [j for j in range(1, len(body)) if body[j]["role"] == "user" and body[j - 1]["role"] == "assistant"]
+    if not starts:
+        return None
+    candidates = [system + body[j:] for j in starts] + ([body[starts[-1]:]] if system else [])
+    encoded = _encode(tokenizer, jinja, tail, candidates, row)
+    return next((e for e in encoded if len(e[0]) <= max_len), encoded[-1])
 
 
 def _mask(ids: list[int], offsets: list[tuple[int, int]], spans, train_on: str, max_len: int | None,
@@ -428,6 +569,6 @@ def pack_chat(examples: list[dict], block_len: int) -> list[dict]:
 
 
 __all__ = ["ALPACA", "CHATML", "CHAT_FORMATS", "LLAMA3", "TEMPLATES", "TEMPLATE_TOKENS", "conversation",
-           "dataset_info", "describe_template", "detect_format", "ensure_chat_tokens", "missing_chat_tokens",
-           "pack_chat", "prompt_ids", "render", "resolve_template", "target_count", "to_messages",
-           "tokenize_conversations"]
+           "dangling_tail", "dataset_info", "describe_template", "detect_format", "end_of_turn_ids",
+           "ensure_chat_tokens", "missing_chat_tokens", "pack_chat", "prompt_ids", "render", "resolve_template",
+           "target_count", "template_markers", "to_messages", "tokenize_conversations"]

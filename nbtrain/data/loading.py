@@ -84,6 +84,7 @@ class _Rows:
     records: list[dict] | None = None
     colmap: dict[str, str] | None = None
     tags: dict[str, str] | None = None
+    parts: list[_Rows] | None = None  # several dataset_info entries, concatenated: each with its own format
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,12 +153,14 @@ def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
 
 def _load_chat(cfg: TrainConfig, tokenizer, rows: _Rows, pad_token_id: int) -> DataBundle:
     """Chat / instruction rows -> checked conversations -> ``{"input_ids", "labels"}`` with the answer masks."""
-    assert rows.records is not None
-    if not rows.records:
-        raise DataError(f"{rows.where}: no examples (0 rows)")
+    parts = rows.parts or [rows]
+    for part in parts:
+        assert part.records is not None
+        if not part.records:
+            raise DataError(f"{part.where}: no examples (0 rows)")
     # every row is checked before any is tokenized, so a bad row 900 fails before training, naming itself
-    convs = [chat.to_messages(rows.fmt, rec, i, rows.colmap or {}, rows.tags or {}, rows.where)
-             for i, rec in enumerate(rows.records)]
+    convs = [chat.to_messages(part.fmt, rec, i, part.colmap or {}, part.tags or {}, part.where)
+             for part in parts for i, rec in enumerate(part.records or [])]
     if cfg.subset is not None:
         convs = convs[: cfg.subset]
     added = chat.ensure_chat_tokens(tokenizer, cfg)   # before tokenizing: the template's markers are single tokens
@@ -169,12 +172,14 @@ def _load_chat(cfg: TrainConfig, tokenizer, rows: _Rows, pad_token_id: int) -> D
         raise DataError(f"{rows.where}: no training examples left: every conversation's answer lies beyond "
                         f"max_seq_len={cfg.max_seq_len} tokens; raise max_seq_len")
     stats: dict[str, Any] = {
-        "rows": len(rows.records), "documents": len(convs), "train_documents": len(train_idx),
-        "eval_documents": len(eval_idx), "data_format": rows.fmt,
+        "rows": sum(len(part.records or []) for part in parts), "documents": len(convs),
+        "train_documents": len(train_idx), "eval_documents": len(eval_idx),
+        "data_format": ", ".join(dict.fromkeys(part.fmt for part in parts)),
         "chat_template": chat.describe_template(tokenizer, cfg), "chat_tokens_added": added,
         "train_on": cfg.train_on, "target_tokens": chat.target_count(train),
         "truncated_examples": tcounts["truncated_examples"] + ecounts["truncated_examples"],
         "dropped_no_answer": tcounts["dropped_no_answer"] + ecounts["dropped_no_answer"],
+        "history_trimmed": tcounts["history_trimmed"] + ecounts["history_trimmed"],
         "packing": packing,
     }
     if packing:
@@ -346,10 +351,10 @@ def _looks_like_path(data: str) -> bool:
 
 
 def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
+    if cfg.dataset_entry:
+        return _read_entries(path, cfg)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file()
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                       and p.suffix.lower() in FILE_FORMATS and p.name != "dataset_info.json")
+        files = _data_files(path)
         info = chat.dataset_info(path) if cfg.task == CAUSAL_LM else None
         if info and info.get("file_name") and (path / info["file_name"]).is_file():
             files = [path / info["file_name"]]   # LLaMA-Factory's entry names the file
@@ -358,14 +363,7 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
                 raise DataError(f"data: directory '{path}' holds images, not text; set task='image-classification' "
                                 f"(task={cfg.task!r} reads {_SUPPORTED} files)")
             raise DataError(f"data: directory '{path}' holds no data files; supported: {_SUPPORTED}")
-        builders = {FILE_FORMATS[p.suffix.lower()][0] for p in files}
-        kwargs = {frozenset(FILE_FORMATS[p.suffix.lower()][1].items()) for p in files}
-        if len(builders) > 1 or len(kwargs) > 1:
-            found = sorted({p.suffix.lower() for p in files})
-            raise DataError(f"data: directory '{path}' mixes file formats ({', '.join(found)}); "
-                            "put files of one format in it")
         where = f"directory '{path}'"
-        desc = f"{len(files)} file{'s' * (len(files) != 1)}"
     else:
         suffix = path.suffix.lower()
         if suffix not in FILE_FORMATS:
@@ -373,8 +371,62 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
                             f"supported: {_SUPPORTED}")
         files = [path]
         where = f"file '{path}'"
-        desc = "file"
         info = chat.dataset_info(path) if cfg.task == CAUSAL_LM else None
+    return _read_files(files, path, where, cfg, info)
+
+
+def _data_files(folder: Path) -> list[Path]:
+    """The data files under ``folder`` (recursively, hidden ones and dataset_info.json skipped), sorted."""
+    return sorted(p for p in folder.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+                  and p.suffix.lower() in FILE_FORMATS and p.name != "dataset_info.json")
+
+
+def _read_entries(folder: Path, cfg: TrainConfig) -> _Rows:
+    """``cfg.dataset_entry``'s entries of ``folder/dataset_info.json``, each read with its own formatting and
+    columns; several are concatenated in the order named (LLaMA-Factory's ``dataset: a,b``)."""
+    if not folder.is_dir():
+        raise DataError(f"dataset_entry: {cfg.dataset_entry!r} names entries of a LLaMA-Factory data folder's "
+                        f"dataset_info.json, so data= must be that folder; '{folder}' is a file (leave "
+                        "dataset_entry blank to read it alone)")
+    if cfg.task != CAUSAL_LM:
+        raise DataError(f"dataset_entry: LLaMA-Factory's dataset_info.json entries are causal-LM data; task="
+                        f"{cfg.task!r} reads data= as a file or folder (leave dataset_entry blank)")
+    parts = []
+    for name in cfg.dataset_entry.split(","):
+        entry = chat.dataset_info(folder, name)
+        assert entry is not None
+        fname = entry.get("file_name")
+        if not fname:
+            hub = entry.get("hf_hub_url") or entry.get("ms_hub_url") or entry.get("script_url")
+            raise DataError(f"dataset_entry: entry {name!r} of '{folder / 'dataset_info.json'}' has no file_name"
+                            + (f" (it is read from {hub!r}): give data={hub!r} with its data_format and columns"
+                               if hub else ": nbtrain reads an entry's local file"))
+        target = folder / fname
+        files = [target] if target.is_file() else _data_files(target) if target.is_dir() else []
+        if not files:
+            raise DataError(f"dataset_entry: entry {name!r} names file_name {fname!r}, which is not in '{folder}'")
+        parts.append(_read_files(files, target, f"dataset_info entry {name!r} ('{target}')", cfg, entry))
+    if len(parts) == 1:
+        return parts[0]
+    text = [p.where for p in parts if p.fmt == "text"]
+    if text:
+        raise DataError(f"dataset_entry: {', '.join(text)} read as plain text; entries are concatenated only "
+                        "as chat / instruction data (give them a formatting, or train on one entry)")
+    return _Rows(texts=[], labels=None, label_names=None, where=f"directory '{folder}'",
+                 source=" + ".join(p.source for p in parts), text_column=parts[0].text_column,
+                 label_column=cfg.label_column, fmt=parts[0].fmt, records=[], parts=parts)
+
+
+def _read_files(files: list[Path], path: Path, where: str, cfg: TrainConfig, info: dict | None) -> _Rows:
+    """Rows of data files of one format (``path``: the file or folder given, for the source line)."""
+    builders = {FILE_FORMATS[p.suffix.lower()][0] for p in files}
+    kwargs_seen = {frozenset(FILE_FORMATS[p.suffix.lower()][1].items()) for p in files}
+    if len(builders) > 1 or len(kwargs_seen) > 1:
+        found = sorted({p.suffix.lower() for p in files})
+        raise DataError(f"data: directory '{path}' mixes file formats ({', '.join(found)}); "
+                        "put files of one format in it")
+    desc = "file" if files == [path] else f"{len(files)} file{'s' * (len(files) != 1)}"
     builder, kwargs = FILE_FORMATS[files[0].suffix.lower()]
     try:
         ds = _load_dataset(where, builder, data_files=[str(f) for f in files], split="train", quiet=True,
@@ -387,6 +439,66 @@ def _read_local(path: Path, cfg: TrainConfig) -> _Rows:
         raise
     return _rows_from_dataset(ds, cfg, where, f"{path} ({builder} {desc}, {ds.num_rows} rows)",
                               single_text_column=builder == "text", info=info)
+
+
+def peek_format(cfg: TrainConfig) -> str | None:
+    """The format a run would read ``cfg.data`` as (a chat format or "text"), from a local file's first row and
+    the folder's ``dataset_info.json``, as the loader detects it; ``cfg.data_format`` when it names one. None when
+    that cannot be told without loading: a dataset id, a path not on this machine, an unreadable file. Bad data
+    (a format named but its columns missing) raises ``DataError``, as the run would."""
+    if cfg.data_format != "auto" or cfg.task != CAUSAL_LM:
+        return cfg.data_format if cfg.task == CAUSAL_LM else "text"
+    data = cfg.data.strip()
+    if data.startswith("builtin:"):
+        rows = builtin.builtin_rows(data[len("builtin:"):])
+        return "messages" if rows and "messages" in rows[0] else "text"
+    path = Path(data).expanduser()
+    if not path.exists():
+        return None
+    if cfg.dataset_entry:
+        names = cfg.dataset_entry.split(",")
+        entry = chat.dataset_info(path, names[0]) if path.is_dir() else None
+        target = path / str((entry or {}).get("file_name", ""))
+        files = [target] if entry and target.is_file() else _data_files(target) if entry and target.is_dir() else []
+    else:
+        entry = chat.dataset_info(path)
+        files = [path] if path.is_file() else _data_files(path)
+        if entry and entry.get("file_name") and (path / entry["file_name"]).is_file():
+            files = [path / entry["file_name"]]
+    if not files:
+        return None
+    try:
+        columns = _first_row_columns(files[0])
+    except (OSError, ValueError):
+        return None
+    if columns is None:
+        return "text"
+    return chat.detect_format(list(columns), cfg, entry, f"file '{files[0]}'")[0]
+
+
+def _first_row_columns(f: Path) -> tuple[str, ...] | None:
+    """The columns of a data file's first row; None for a plain text file."""
+    suffix = f.suffix.lower()
+    if FILE_FORMATS.get(suffix, ("text",))[0] == "text":
+        return None
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return tuple(pq.read_schema(f).names)
+    if suffix in (".csv", ".tsv"):
+        import csv
+
+        with f.open(newline="", encoding="utf-8") as fh:
+            return tuple(next(csv.reader(fh, delimiter="\t" if suffix == ".tsv" else ","), []))
+    with f.open(encoding="utf-8") as fh:   # JSON lines: the first line is the first row
+        first = next((ln for ln in fh if ln.strip()), "")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:   # a JSON document over several lines (a list of records)
+        row = json.loads(f.read_text(encoding="utf-8"))
+    if isinstance(row, list):
+        row = row[0] if row else {}
+    return tuple(row) if isinstance(row, dict) else ()
 
 
 def _read_hub(data: str, cfg: TrainConfig) -> _Rows:

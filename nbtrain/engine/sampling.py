@@ -148,6 +148,10 @@ def generate(model, tokenizer, cfg, prompt: str, *, chat: bool, spec=None, max_n
         raise ValueError(f"max_new_tokens: must be a whole number >= 1, got {n!r}")
     ids = encode_prompt(tokenizer, cfg, prompt, chat, system=system)
     stops = stop_ids(tokenizer, model)
+    if chat:   # the template's own end of turn, which a custom template may name differently from the known ones
+        from ..data.chat import end_of_turn_ids
+
+        stops |= end_of_turn_ids(tokenizer, cfg)
     new = greedy(model, ids, n, stops, spec)
     text_ids = new[:-1] if new and new[-1] in stops else new
     return tokenizer.decode(text_ids, skip_special_tokens=True).strip(), len(new)

@@ -62,7 +62,7 @@ def error_box_html(errors: list[dict], where: dict[str, str], inline: set) -> st
 # Which tab each field lives on. A field not listed here lands on "Training" (see section_of).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Model": ("model", "task"),
-    "Data": ("data", "data_format", "columns", "chat_template", "train_on", "text_column", "label_column",
+    "Data": ("data", "dataset_entry", "data_format", "columns", "chat_template", "train_on", "text_column", "label_column",
              "image_column", "max_seq_len", "subset", "packing", "eval_fraction"),
     "Precision": ("precision", "optimizer", "stochastic_rounding"),
     "Accumulation": ("micro_batch_size", "grad_accum_steps", "auto_batch_size"),
@@ -251,7 +251,8 @@ def data_format_info(raw: dict, codecs: dict) -> tuple[str, str]:
             p = Path(name).expanduser()
             if not name or not p.exists():
                 return "", render.GREY
-            info = chat.dataset_info(p)
+            entry = str(raw.get("dataset_entry") or "").split(",")[0].strip() or None
+            info = chat.dataset_info(p, entry)
             f = _data_file(p, info)
             if f is None:
                 return "", render.GREY
