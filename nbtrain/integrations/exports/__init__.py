@@ -20,8 +20,9 @@ transformers' aliases, ``OPTIM_IN``) back. bf16-pure is LLaMA-Factory's ``pure_b
 TrainingArguments has neither (bf16=False and a note), AutoTrain neither (mixed_precision bf16 and a note).
 stochastic_rounding has a key in none of them: every export names it in its notes.
 
-Instruction / chat data (``mapping.chat_format``: a named ``data_format``, or ``"auto"`` on nbtrain's builtin
-chat set; a file under ``"auto"`` exports as plain text, since an export reads no data) exports as
+Instruction / chat data (``mapping.chat_format``: a named ``data_format``, or under ``"auto"`` what a run detects:
+nbtrain's builtin chat set, or a local file's first row and its folder's ``dataset_info.json``; a dataset id under
+``"auto"`` exports as plain text, with a note, since an export does not load it) exports as
 LLaMA-Factory's ``stage: sft`` (with its ``dataset_info.json`` entry), AutoTrain's ``llm-sft`` and TRL's
 SFTConfig. nbtrain's samples (``sample_prompts``, ``sample_every``, ``max_new_tokens``) have no equivalent in
 any of them: each export names them in its notes.
@@ -32,7 +33,10 @@ reshard_after_forward, each decoder layer wrapped, sharded checkpoints), the sam
 with its ``fsdp_config``; AutoTrain has no FSDP (ddp, with a note; its deepspeed reads back as an error naming it).
 
 Each export also returns (``*_config``) or writes (as YAML comments) its *notes*: the fields the other tool
-cannot express or runs differently. Imports map every key they know; a key (or a value) with no nbtrain
+cannot express or runs differently. The model: a pretrained preset is named by its Hub id
+(``smollm2-135m-instruct``: ``HuggingFaceTB/SmolLM2-135M-Instruct``, and LLaMA-Factory's ``smollm2`` template under
+``chat_template="auto"``), with a note that nbtrain trained its GGUF weights dequantized; a ``.gguf`` path stays a
+path, with a note that the tool does not train from GGUF (``mapping.export_model``). Imports map every key they know; a key (or a value) with no nbtrain
 equivalent is never dropped silently: ``read_*`` returns it in ``unmapped`` and ``from_*`` names it in a
 ``UserWarning``. A key that is missing takes the *tool's* default (what that tool would have run), not
 nbtrain's.
@@ -79,6 +83,7 @@ from .mapping import (
     OPTIM_NAMES,
     SAMPLE_FIELDS,
     chat_format,
+    export_model,
     hf_scheduler,
     write_text,
 )
@@ -110,6 +115,9 @@ def training_arguments_json(cfg: TrainConfig) -> dict[str, Any]:
     them and ``notes`` (``training_arguments_notes``) when there are any, as JSON-friendly dicts."""
     lcfg, qcfg = peft_and_quant_configs(cfg)
     out: dict[str, Any] = {"training_arguments": training_arguments_kwargs(cfg)}
+    model_name, model_notes = export_model(cfg, "from_pretrained")
+    if model_notes:   # a preset with a Hub twin, or a GGUF file: the model to load beside the arguments
+        out["model_name_or_path"] = model_name
     if lcfg is not None:
         out["peft_config"] = {k: (sorted(v) if isinstance(v, set) else v) for k, v in lcfg.to_dict().items()}
     if qcfg is not None:

@@ -29,6 +29,7 @@ from .mapping import (
     Reader,
     chat_format,
     column,
+    export_model,
     flatten,
     hf_scheduler,
     non_default_notes,
@@ -189,6 +190,9 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
         notes.update(_sft_notes(cfg, fmt))
     elif llm:
         notes.update(plain_text_chat_notes(cfg, "task llm"))
+    if cfg.dataset_entry:
+        notes["dataset_entry"] = (f"dataset_entry={cfg.dataset_entry!r}: AutoTrain reads one data file, not "
+                                  "LLaMA-Factory's dataset_info.json entries; point data.path at the entry's file")
 
     if image:
         path, split = _split_local_folder(cfg.data)
@@ -235,7 +239,9 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
             distributed_backend="ddp")
     at_task = ("llm-sft" if fmt else "llm") if llm else "image_classification" if image else \
         "text_multi_class_classification"
-    doc = {"task": at_task, "base_model": cfg.model,
+    base_model, model_notes = export_model(cfg, "AutoTrain")
+    notes.update(model_notes)
+    doc = {"task": at_task, "base_model": base_model,
            "project_name": name, "log": "none", "backend": "local", "data": data, "params": params}
     return doc, notes
 

@@ -2,9 +2,9 @@
 ``from_llamafactory_yaml``. A key missing from a file takes LLaMA-Factory's default (what it would have run).
 
 Plain text exports as ``stage: pt``; instruction / chat data (``mapping.chat_format``: a named data_format, or
-``"auto"`` on nbtrain's builtin chat set) as ``stage: sft`` with ``template`` (chatml, llama3 and alpaca are
-LLaMA-Factory's names too; ``"auto"`` leaves it unset, so LLaMA-Factory parses the tokenizer's own template, as
-nbtrain does), ``train_on_prompt`` (train_on="all"), ``mask_history`` (train_on="last") and ``neat_packing``
+what a run detects under ``"auto"``) as ``stage: sft`` with ``template`` (chatml, llama3 and alpaca are
+LLaMA-Factory's names too; ``"auto"`` is the model's LLaMA-Factory template where it has one by name, smollm2 for
+SmolLM2, else left unset, so LLaMA-Factory parses the tokenizer's own template, as nbtrain does), ``train_on_prompt`` (train_on="all"), ``mask_history`` (train_on="last") and ``neat_packing``
 with packing (packed examples do not attend to each other). sharding="fsdp" is the TrainingArguments keys
 LLaMA-Factory passes on (``fsdp: full_shard auto_wrap``, or ``shard_grad_op`` without resharding, and
 ``fsdp_config``: FSDP2, sharded checkpoints); run it with ``accelerate launch --config_file <nbtrain export --to
@@ -14,6 +14,8 @@ accelerate-config> src/train.py FILE`` in a LLaMA-Factory checkout (as its FSDP 
 The dataset is a name in ``dataset_dir``'s ``dataset_info.json``: ``llamafactory_dataset_info(cfg)`` is its entry (``formatting``, ``columns`` and, for
 sharegpt / messages rows, ``tags``), and ``to_llamafactory_yaml(cfg, path)`` writes it into
 ``dataset_info.json`` beside the YAML (merged into one already there). The importer reads all of it back.
+``dataset_entry`` (entries of a data folder's own ``dataset_info.json``) is ``dataset:`` with ``dataset_dir:`` that
+folder; several datasets read back as ``dataset_entry``, one as its file with its format and columns.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ from .mapping import (
     Reader,
     chat_format,
     column,
+    export_model,
+    format_unreadable,
     fsdp_layer_class,
     fsdp_notes,
     hf_fsdp_config,
     hf_fsdp_option,
     hf_scheduler,
     intlike,
+    lf_model_template,
     non_default_notes,
     optimizer_in,
     plain_text_chat_notes,
@@ -65,6 +70,7 @@ LLAMAFACTORY_FIELDS = (
     "lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm", "packing",
     "eval_fraction", "eval_every", "log_every", "seed", "output_dir", "save_every",
     "data_format", "columns", "chat_template", "train_on", "optimizer", "sharding", "reshard_after_forward",
+    "dataset_entry",
 )
 # nbtrain's template names that are LLaMA-Factory's too (the same prompt layout)
 LF_TEMPLATES = ("chatml", "llama3", "alpaca")
@@ -114,11 +120,15 @@ def llamafactory_dataset_info(cfg: TrainConfig, dataset_dir: Optional[str] = Non
     no input column) and ``sharegpt`` for sharegpt and messages rows, whose ``tags`` say which keys and roles a
     message has (messages: role / content / user / assistant / system). ``columns`` follow cfg.columns;
     the optional alpaca ``system`` and ``history`` columns are written only when cfg.columns names them (a
-    name LLaMA-Factory is given must exist in the file)."""
+    name LLaMA-Factory is given must exist in the file). With ``dataset_entry``: those entries of the data folder's
+    own ``dataset_info.json``, as they are."""
     fmt = chat_format(cfg)
     if fmt is None:
         raise ConfigError(f"data_format: {cfg.data_format!r} on {cfg.data!r} exports as plain text (stage pt), which "
                           "needs no dataset_info formatting; name the format of instruction data", field="data_format")
+    if cfg.dataset_entry:   # the data folder's own entries, as nbtrain reads them
+        info = json.loads((Path(cfg.data) / DATASET_INFO).read_text(encoding="utf-8"))
+        return {name: info[name] for name in cfg.dataset_entry.split(",")}
     ddir = dataset_dir if dataset_dir is not None else _default_dataset_dir(cfg)
     entry: dict[str, Any] = {}
     if _local_data(cfg.data):
@@ -154,9 +164,18 @@ def llamafactory_dataset_info(cfg: TrainConfig, dataset_dir: Optional[str] = Non
     return {_dataset_name(cfg.data): entry}
 
 
+def _lf_template(cfg: TrainConfig, model_name: str) -> Optional[str]:
+    """LLaMA-Factory's ``template``: nbtrain's named template, or for "auto" the model's own where LLaMA-Factory has
+    one by name (smollm2 for SmolLM2); None leaves it unset (LLaMA-Factory parses the tokenizer's)."""
+    if cfg.chat_template in LF_TEMPLATES:
+        return cfg.chat_template
+    return lf_model_template(model_name) if cfg.chat_template == "auto" else None
+
+
 def _sft_notes(cfg: TrainConfig, fmt: str) -> dict[str, str]:
     notes = unknown_columns_note(cfg, fmt)
-    if cfg.chat_template == "auto":
+    # "auto" on a model whose own template LLaMA-Factory names (smollm2) is written as that name: no note
+    if cfg.chat_template == "auto" and not lf_model_template(export_model(cfg, "LLaMA-Factory")[0]):
         # keyed "template" (no field): "auto" reads back as "auto", so the round trip still checks chat_template
         notes["template"] = ("chat_template='auto': template is left unset, so LLaMA-Factory parses the tokenizer's "
                              "own chat template (as nbtrain does); set it to the model's LLaMA-Factory template "
@@ -199,7 +218,9 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
         notes["fp8"] = ("fp8: LLaMA-Factory's torchao backend uses torchao's rowwise recipe and keeps embed / lm_head "
                         "/ output / classifier layers out; nbtrain's fp8 is torchao's default tensorwise recipe with "
                         "the output layer out (both skip sizes that are not multiples of 16)")
-    model = {"model_name_or_path": cfg.model}
+    model_name, model_notes = export_model(cfg, "LLaMA-Factory")
+    notes.update(model_notes)
+    model = {"model_name_or_path": model_name}
     if cfg.method == "qlora":
         model.update(quantization_bit=cfg.quant_bits, quantization_method="bitsandbytes")
         if cfg.quant_bits == 4:
@@ -212,13 +233,19 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
                   lora_rank=cfg.lora_r, lora_alpha=intlike(cfg.lora_alpha), lora_dropout=cfg.lora_dropout,
                   lora_target=targets_out(cfg.lora_targets, "all"))
     if fmt:
-        dataset: dict[str, Any] = dict(dataset=_dataset_name(cfg.data),
-                                       dataset_dir=dataset_dir if dataset_dir is not None else _default_dataset_dir(cfg))
-        if cfg.chat_template in LF_TEMPLATES:
-            dataset["template"] = cfg.chat_template
+        if cfg.dataset_entry:   # the folder's own dataset_info.json names them: LLaMA-Factory reads it as it is
+            dataset: dict[str, Any] = dict(dataset=cfg.dataset_entry, dataset_dir=cfg.data)
+        else:
+            dataset = dict(dataset=_dataset_name(cfg.data),
+                           dataset_dir=dataset_dir if dataset_dir is not None else _default_dataset_dir(cfg))
+        template = _lf_template(cfg, model_name)
+        if template:
+            dataset["template"] = template
         dataset.update(train_on_prompt=cfg.train_on == "all", mask_history=cfg.train_on == "last")
     else:
-        dataset = dict(dataset=cfg.data)
+        dataset = dict(dataset=cfg.dataset_entry or cfg.data)
+        if cfg.dataset_entry:
+            dataset["dataset_dir"] = cfg.data
     dataset["cutoff_len"] = cfg.max_seq_len
     if cfg.subset is not None:
         dataset["max_samples"] = cfg.subset
@@ -278,10 +305,13 @@ def to_llamafactory_yaml(cfg: TrainConfig, path=None) -> str:
     ``dataset_info.json`` beside it (merged into one already there) and ``dataset_dir`` names that folder;
     printed, the header says where the entry goes."""
     fmt = chat_format(cfg)
-    ddir = str(Path(path).parent) if (fmt and path is not None) else None
+    ddir = str(Path(path).parent) if (fmt and path is not None and not cfg.dataset_entry) else None
     sections, notes = _llamafactory_sections(cfg, ddir)
     header = ["LLaMA-Factory config exported by nbtrain; run: llamafactory-cli train <this file>"]
-    if fmt:
+    if cfg.dataset_entry:
+        header.append(f"the dataset: {cfg.dataset_entry} in {Path(cfg.data) / DATASET_INFO}, as nbtrain read it")
+        info = None
+    elif fmt:
         info = llamafactory_dataset_info(cfg, sections["dataset"]["dataset_dir"])
         where = Path(sections["dataset"]["dataset_dir"]) / DATASET_INFO
         header.append(f"{fmt} data: the dataset's entry in {where}" + (" (written beside this file)" if ddir is not
@@ -289,9 +319,10 @@ def to_llamafactory_yaml(cfg: TrainConfig, path=None) -> str:
     else:
         info = ('"%s": {"file_name": "<your file>", "columns": {"prompt": "%s"}}' % (cfg.data, cfg.text_column))
         header.append(f"the dataset must be registered in data/dataset_info.json, e.g. {info}")
-        if cfg.data_format == "auto" and not cfg.data.startswith("builtin:"):
-            header.append("data_format='auto' exports as plain text (stage pt): set data_format to export "
-                          "instruction data as stage sft")
+        if format_unreadable(cfg):
+            header.append(f"data_format='auto' on {cfg.data!r}: its format cannot be read here without loading it "
+                          "(a dataset id, or a path not on this machine), so it exports as plain text (stage pt): "
+                          "set data_format to export instruction data as stage sft")
     text = yaml_text(list(sections.items()), header, notes)
     if ddir is not None:
         _merge_dataset_info(Path(ddir) / DATASET_INFO, info)
@@ -382,7 +413,7 @@ def _read_llamafactory(path, overrides):
         if "data" not in overrides:
             r.hard["data"] = "dataset: missing"
     elif "," in str(dataset):
-        r.hard["data"] = f"dataset: {dataset!r} names several datasets; nbtrain trains on one"
+        _lf_datasets(r, str(dataset))
     else:
         kw["data"] = _lf_dataset(r, str(dataset), stage == "sft")
     kw["max_seq_len"] = r.take("cutoff_len", int)
@@ -490,8 +521,11 @@ def _sft_in(r: Reader) -> None:
     kw["data_format"] = "auto"   # unless dataset_info.json says (see _lf_format)
     if r.has("template") and r.doc["template"] is not None:
         name = str(r.take("template"))
+        model = str(r.doc.get("model_name_or_path", kw.get("model", "")))
         if name.lower() in LF_TEMPLATES:
             kw["chat_template"] = name.lower()
+        elif name.lower() == lf_model_template(model):
+            kw["chat_template"] = "auto"   # the model's own template is that one (smollm2: SmolLM2's ChatML)
         else:
             # never replaced silently: the tokenizer's own template ("auto") may or may not be the same layout
             r.hard["chat_template"] = (f"template: {name!r} is not a template nbtrain has ({', '.join(LF_TEMPLATES)}; "
@@ -530,6 +564,26 @@ def _lf_dataset(r: Reader, name: str, sft: bool = False) -> str:
         # normpath: a file_name relative to dataset_dir ("../data/x.jsonl") reads back as the path it names
         return os.path.normpath(Path(str(ddir)) / entry["file_name"])
     return str(entry.get("hf_hub_url") or name)
+
+
+def _lf_datasets(r: Reader, names: str) -> None:
+    """Several datasets (``dataset: a,b``) of one ``dataset_dir`` as data= that folder and dataset_entry= the
+    names, which nbtrain concatenates in that order, each read with its own entry."""
+    ddir = r.doc.get("dataset_dir")
+    listed = [n.strip() for n in names.split(",") if n.strip()]
+    try:
+        info = json.loads((Path(str(ddir)) / DATASET_INFO).read_text()) if ddir is not None else None
+    except (OSError, ValueError):
+        info = None
+    local = isinstance(info, dict) and all(isinstance(info.get(n), dict) and info[n].get("file_name") for n in listed)
+    if not local:
+        r.hard["data"] = (f"dataset: {names!r} names several datasets, which nbtrain reads only as entries with a "
+                          f"file_name in dataset_dir's {DATASET_INFO}" + ("" if ddir is not None else
+                                                                          " (dataset_dir is not set)"))
+        return
+    r.drop("dataset_dir")
+    r.kw["data"] = str(ddir)
+    r.kw["dataset_entry"] = ",".join(listed)
 
 
 def _lf_format(r: Reader, name: str, entry: dict) -> None:

@@ -4,6 +4,7 @@ the reader that maps a tool's keys to TrainConfig fields (and keeps the ones it 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -257,16 +258,37 @@ CHAT_FIELDS = ("chat_template", "train_on", "columns")
 def chat_format(cfg: TrainConfig) -> Optional[str]:
     """The instruction / chat format an export writes for ``cfg``, or None for plain text.
 
-    The rule: a named format (alpaca, sharegpt, messages, prompt-completion) is chat data; ``"text"`` is plain
-    text; ``"auto"`` is chat only for nbtrain's builtin chat sets (``builtin:python-docs-qa``: messages). A file
-    or dataset id under ``"auto"`` exports as plain text: nbtrain reads its format from the columns when it
-    loads, and an export does not load data (a config exports anywhere), so name the format to export it as
-    instruction data."""
+    A named format (alpaca, sharegpt, messages, prompt-completion) is chat data; ``"text"`` is plain text;
+    ``"auto"`` is what a run would detect: nbtrain's builtin chat sets are chat data, and a local file (or data
+    folder, or ``dataset_entry``) is read as the loader reads it, from its first row and ``dataset_info.json``
+    (``nbtrain.data.loading.peek_format``). A dataset id, or a path not on this machine, cannot be read without
+    loading it: it exports as plain text (LLaMA-Factory's header says so: ``format_unreadable``)."""
     if cfg.data_format in CHAT_FORMATS:
         return cfg.data_format
-    if cfg.data_format == "auto":
-        return CHAT_BUILTINS.get(cfg.data)
-    return None
+    if cfg.data_format != "auto" or cfg.task != "causal-lm":
+        return None
+    if cfg.data in CHAT_BUILTINS:
+        return CHAT_BUILTINS[cfg.data]
+    fmt = _peek(cfg)
+    return fmt if fmt in CHAT_FORMATS else None
+
+
+def _peek(cfg: TrainConfig) -> Optional[str]:
+    from ...data.bundle import DataError
+    from ...data.loading import peek_format
+
+    try:
+        return peek_format(cfg)
+    except DataError as e:   # the run would refuse this data; the export names the config's own fields
+        raise ConfigError(f"data_format='auto' on {cfg.data!r}: an export reads the data's format as a run does, "
+                          f"and {e}", field="data") from None
+
+
+def format_unreadable(cfg: TrainConfig) -> bool:
+    """Whether ``data_format="auto"`` meets data whose format an export cannot read here (a dataset id, a path not on
+    this machine), so that it exports as plain text."""
+    return (cfg.data_format == "auto" and cfg.task == "causal-lm" and not cfg.data.startswith("builtin:")
+            and _peek(cfg) is None)
 
 
 def column(cfg: TrainConfig, name: str) -> str:
@@ -297,6 +319,51 @@ def sample_notes(cfg: TrainConfig, tool: str) -> dict[str, str]:
     """Notes naming nbtrain's sample settings (prompts answered while training), which no tool has."""
     return non_default_notes(cfg, SAMPLE_FIELDS, f"has no {tool} equivalent (nbtrain's readable samples while "
                                                  "training); not exported")
+
+
+# -- the model a tool loads ----------------------------------------------------------------------------------
+# LLaMA-Factory's templates for models nbtrain exports by name (its src/llamafactory/data/template.py): smollm2 is
+# ChatML with SmolLM2's default system prompt, as SmolLM2's own tokenizer template
+LF_MODEL_TEMPLATES = (("HuggingFaceTB/SmolLM2-", "smollm2"), ("HuggingFaceTB/SmolLM-", "smollm"))
+_GGUF_QUANT = re.compile(r"[.-]((?:I?Q\d[A-Za-z0-9_]*)|BF16|F16|F32)\.gguf$", re.IGNORECASE)
+
+
+def export_model(cfg: TrainConfig, tool: str) -> tuple[str, dict[str, str]]:
+    """``(the model name `tool` loads, notes)``. A pretrained preset (``smollm2-135m-instruct``) is named by its Hub id,
+    with a note that nbtrain trained its GGUF weights dequantized, not the Hub's; a ``.gguf`` file (or a folder holding
+    one) keeps its path, with a note that the tool does not train from GGUF; anything else is ``cfg.model``."""
+    from ...models.presets import PRESETS
+
+    preset = PRESETS.get(cfg.model)
+    hub_id = getattr(preset, "hub_id", None) or None
+    if hub_id:
+        gguf = getattr(preset, "gguf_file", "") or ""
+        quant = _GGUF_QUANT.search(gguf)
+        what = f"the {quant.group(1).upper()} GGUF weights" if quant else "GGUF weights"
+        return hub_id, {"model": f"model={cfg.model!r} is nbtrain's preset of {what} of {gguf or hub_id}, "
+                                 f"dequantized to fp32; {tool} loads the Hub's {hub_id!r} (its bf16 weights): the "
+                                 "same architecture and tokenizer, not the same weights bit for bit"}
+    gguf_file = _gguf_file(cfg.model)
+    if gguf_file is not None:
+        return cfg.model, {"model": f"model={cfg.model!r} is a GGUF file ({gguf_file}): {tool} cannot train from "
+                                    "GGUF; give it the safetensors model the file was made from (its Hub id), or a "
+                                    "folder saved from nbtrain's dequantized copy"}
+    return cfg.model, {}
+
+
+def _gguf_file(model: str) -> Optional[str]:
+    p = Path(model).expanduser()
+    if p.suffix.lower() == ".gguf":
+        return p.name
+    if p.is_dir() and not (p / "config.json").is_file():
+        found = sorted(p.glob("*.gguf"))
+        return found[0].name if found else None
+    return None
+
+
+def lf_model_template(model: str) -> Optional[str]:
+    """LLaMA-Factory's template name for a Hub model id it has one for (``smollm2`` for SmolLM2), else None."""
+    return next((name for prefix, name in LF_MODEL_TEMPLATES if model.startswith(prefix)), None)
 
 
 # -- sharding (FSDP2) ----------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from ...models.loading import ModelError, head_module_names, meta_model
 from ...models.methods import bnb_config, lora_config
 from .mapping import (
     OPTIM_NAMES,
+    export_model,
     SGD_MOMENTUM,
     SGD_OPTIM_ARGS,
     fsdp_layer_class,
@@ -125,6 +126,9 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
 def training_arguments_notes(cfg: TrainConfig) -> dict[str, str]:
     """What the TrainingArguments of ``cfg`` cannot say, or say differently: {field: note}."""
     notes: dict[str, str] = {}
+    model_name, model_notes = export_model(cfg, "from_pretrained")
+    if model_notes:   # TrainingArguments names no model: the note says which one to load
+        notes["model"] = f"load {model_name!r}: " + model_notes["model"]
     precision = resolve_precision(cfg.precision)
     if cfg.precision == "auto":
         notes["precision"] = f"precision='auto' resolved to {precision!r} on this machine"
