@@ -79,6 +79,18 @@ def test_meta_llama3_template_targets_each_answer_and_its_eot_never_the_dangling
     assert chat.dangling_tail(tok, META_LLAMA3) == "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
 
+def test_an_eos_written_after_the_last_message_is_not_a_target(tok):
+    # Phi-3's template: EOS after the last message unless a generation prompt follows
+    phi3 = ("{% for message in messages %}{{'<|' + message['role'] + '|>' + '\n' + message['content'] + '<|end|>\n'}}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+    cfg = nbt.TrainConfig(model="tiny", chat_template=phi3)
+    chat.ensure_chat_tokens(tok, cfg)
+    (ex_,), _ = chat.tokenize_conversations(tok, cfg, [CONV[1:]], None)
+    assert tok.decode(targets(ex_)) == ("Nothing: it is a placeholder statement.<|end|>\n"
+                                        "It leaves the innermost for or while loop.<|end|>\n")
+    assert ex_["input_ids"][-1] == tok.eos_token_id and ex_["labels"][-1] == -100
+
+
 def test_templates_without_a_dangling_tail_keep_their_targets(tok):
     for name in ("chatml", "llama3", "alpaca"):
         cfg = nbt.TrainConfig(model="tiny", chat_template=name)

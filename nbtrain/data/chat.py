@@ -162,7 +162,10 @@ def dangling_tail(tokenizer, jinja: str) -> str:
             while shared < min(len(last), len(mid)) and last[shared] == mid[shared]:
                 shared += 1
             end = _marker_end(tokenizer, last, shared)
-            tail = last[shared if end is None else end:]
+            end = shared if end is None else end
+            while end < shared and last[end].isspace():   # the newline a turn ends with (Phi-3's "<|end|>\n")
+                end += 1
+            tail = last[end:]
     _TAILS[key] = tail
     return tail
 

@@ -413,7 +413,7 @@ def _read_llamafactory(path, overrides):
         if "data" not in overrides:
             r.hard["data"] = "dataset: missing"
     elif "," in str(dataset):
-        _lf_datasets(r, str(dataset))
+        _lf_datasets(r, str(dataset), stage == "sft")
     else:
         kw["data"] = _lf_dataset(r, str(dataset), stage == "sft")
     kw["max_seq_len"] = r.take("cutoff_len", int)
@@ -566,8 +566,8 @@ def _lf_dataset(r: Reader, name: str, sft: bool = False) -> str:
     return str(entry.get("hf_hub_url") or name)
 
 
-def _lf_datasets(r: Reader, names: str) -> None:
-    """Several datasets (``dataset: a,b``) of one ``dataset_dir`` as data= that folder and dataset_entry= the
+def _lf_datasets(r: Reader, names: str, sft: bool) -> None:
+    """Several sft datasets (``dataset: a,b``) of one ``dataset_dir`` as data= that folder and dataset_entry= the
     names, which nbtrain concatenates in that order, each read with its own entry."""
     ddir = r.doc.get("dataset_dir")
     listed = [n.strip() for n in names.split(",") if n.strip()]
@@ -576,10 +576,11 @@ def _lf_datasets(r: Reader, names: str) -> None:
     except (OSError, ValueError):
         info = None
     local = isinstance(info, dict) and all(isinstance(info.get(n), dict) and info[n].get("file_name") for n in listed)
-    if not local:
-        r.hard["data"] = (f"dataset: {names!r} names several datasets, which nbtrain reads only as entries with a "
-                          f"file_name in dataset_dir's {DATASET_INFO}" + ("" if ddir is not None else
-                                                                          " (dataset_dir is not set)"))
+    if not (local and sft):
+        # nbtrain concatenates entries as instruction data only; plain-text (pt) entries train one at a time
+        r.hard["data"] = (f"dataset: {names!r} names several datasets, which nbtrain reads only for stage sft, as "
+                          f"entries with a file_name in dataset_dir's {DATASET_INFO}"
+                          + ("" if ddir is not None else " (dataset_dir is not set)"))
         return
     r.drop("dataset_dir")
     r.kw["data"] = str(ddir)
