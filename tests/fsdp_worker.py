@@ -77,6 +77,20 @@ def run(name, out, callbacks=(), **changes):
     return rec
 
 
+SMOLLM2_RUN = dict(model="smollm2-135m-instruct", subset=8, max_seq_len=32, micro_batch_size=2, max_steps=2,
+                  method="lora", lora_dropout=0.0)
+
+
+def smollm2_lora(out: Path):
+    from nbtrain.models import ModelError, resolve_source
+
+    try:
+        resolve_source(SMOLLM2_RUN["model"])
+    except ModelError:   # the wheel is not installed: test_real_model skips, saying so
+        return
+    run("smollm2_fsdp_lora", out, **SMOLLM2_RUN)
+
+
 def scenarios(out: Path) -> dict:
     """name -> what it runs (in this order)."""
     seen = Inspect()
@@ -115,6 +129,8 @@ def scenarios(out: Path) -> dict:
         # tests/test_memory_fsdp.py: rank 0's traced tensors vs the per-rank estimate (its MEMORY_RUN config)
         "mem_full": lambda: run("mem_full", out, **MEMORY_RUN),
         "mem_lora": lambda: run("mem_lora", out, **MEMORY_RUN, method="lora"),
+        # tests/test_real_model.py: the pretrained SmolLM2 (when its wheel is installed), LoRA without dropout
+        "smollm2_fsdp_lora": lambda: smollm2_lora(out),
     }
 
 
