@@ -159,6 +159,7 @@ def _arch_error(path: Path, err: Exception) -> GGUFError:
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES as known
     except ImportError:
         known = []
+    known = [k for k in known if k not in ("general", "tokenizer")]   # metadata sections, not architectures
     first = str(err).splitlines()[0] if str(err) else type(err).__name__
     return GGUFError(f"model {str(path)!r}: transformers {transformers.__version__} cannot read this GGUF file "
                      f"({first}). It reads these architectures from GGUF: {', '.join(sorted(known))}; for another "
