@@ -46,7 +46,7 @@ def test_a_gguf_file_or_a_folder_holding_one_is_a_gguf_model(tmp_path):
     _write_gguf(tmp_path / "m" / "other.gguf")
     with pytest.raises(ModelError, match=r"holds 2 GGUF files \(model.Q4_1.gguf, other.gguf\); pass one of them"):
         resolve_source(str(tmp_path / "m"))
-    with pytest.raises(ModelError, match="no such file or directory.*a .gguf file"):
+    with pytest.raises(ModelError, match="no such file .*a .gguf file"):
         resolve_source(str(tmp_path / "missing.gguf"))
 
 
@@ -116,3 +116,15 @@ def test_the_cache_is_keyed_by_the_files_hash_and_holds_the_dequantized_weights(
         fh.write(bytes([last[0] ^ 1]))
     assert gg.cached_dir(copy).name.rsplit("-", 1)[1] != gg.cached_dir(path).name.rsplit("-", 1)[1]
     assert not gg.is_converted(copy)
+
+
+def test_the_panel_says_what_a_gguf_model_and_the_preset_are(tmp_path, smollm2):
+    from nbtrain.ui import Panel
+
+    panel = Panel(debounce_s=0)
+    panel.controls["model"].value = smollm2
+    assert "preset: SmolLM2-135M-Instruct" in panel.model_info.value and "Q4_1" in panel.model_info.value
+    f = _write_gguf(tmp_path / "m.gguf")
+    panel.controls["model"].value = str(f)
+    assert "GGUF file" in panel.model_info.value and "dequantized to fp32 on first use" in panel.model_info.value
+    assert not [p for p in panel.form.local_problems() if p["field"] == "model"]

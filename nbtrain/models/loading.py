@@ -63,8 +63,9 @@ def resolve_source(model: str) -> ModelSource:
         return ModelSource("local", str(path.resolve()))
     if model.startswith(("/", "./", "../", "~", ".\\")) or model.endswith(("/", os.sep, gguf.SUFFIX)) \
             or model.count("/") > 1:
-        raise ModelError(f"model {model!r}: no such file or directory (a model is a preset {sorted(PRESETS)}, "
-                         "a local directory with config.json, a .gguf file, or a Hub id like 'org/name')")
+        what = "file" if model.endswith(gguf.SUFFIX) else "directory"
+        raise ModelError(f"model {model!r}: no such {what} (a model is a preset {sorted(PRESETS)}, a local "
+                         "directory with config.json, a .gguf file, or a Hub id like 'org/name')")
     return ModelSource("hub", model)
 
 

@@ -214,9 +214,13 @@ def _template_words(choice: str, model: str) -> str:
         from ..models import PRESETS
     except Exception:
         PRESETS = {}
+    if model in PRESETS and getattr(PRESETS[model], "is_pretrained", False):
+        return f"auto → {model}'s own template (chatml with its default system prompt)"
     if model in PRESETS:
         return f"auto → chatml ({model}'s tokenizer has none; &lt;|im_start|&gt; / &lt;|im_end|&gt; are added)"
     d = Path(model).expanduser()
+    if d.suffix.lower() == ".gguf" or (d.is_dir() and any(d.glob("*.gguf")) and not (d / "config.json").is_file()):
+        return "auto → the GGUF file's own template (chatml when it has none)"
     if d.is_dir():
         own = (d / "chat_template.jinja").is_file()
         try:
@@ -554,8 +558,12 @@ class Form:
                                      else render.small(render.esc(e), render.RED))
             self._problems["model"] = str(e)
             return
-        if src.kind == "preset":
+        if src.kind == "preset" or src.preset:
             text, color = f"preset: {render.esc(PRESETS[name].description)}", render.GREY
+        elif src.kind == "gguf":
+            text = (f"GGUF file {render.esc(src.name)}: dequantized to fp32 on first use (~20-30 s for 135M "
+                    "parameters), then loaded from the cache in seconds")
+            color = render.GREY
         elif src.kind == "local":
             text, color = f"local directory {render.esc(src.name)}", render.GREY
         elif Path(name).suffix.lower() in _MODEL_FILE_SUFFIXES:
