@@ -1,4 +1,5 @@
-"""Real-browser tests: 01_quickstart in JupyterLab and in Notebook 7, driven by Chromium through playwright.
+"""Real-browser tests: 01_quickstart in JupyterLab and in Notebook 7, and Run All of 08_instruction_tuning (the real
+SmolLM2 model) in JupyterLab, driven by Chromium through playwright.
 
 Each test starts its own Jupyter server on 127.0.0.1 with a temporary config, runtime, settings and
 workspace directory and a copy of the notebook (the browser saves what it runs; the repo's notebooks
@@ -91,13 +92,13 @@ def _transient(e: BaseException) -> bool:
 class JupyterServer:
     """``jupyter lab`` or ``jupyter notebook`` on 127.0.0.1, everything it writes under ``tmp``."""
 
-    def __init__(self, app: str, tmp: Path):
-        self.app, self.tmp = app, tmp
+    def __init__(self, app: str, tmp: Path, notebook: str = NOTEBOOK):
+        self.app, self.tmp, self.notebook = app, tmp, notebook
         self.port, self.token = free_port(), secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
         self.root = tmp / "work"
         self.root.mkdir()
-        shutil.copy(ROOT / "notebooks" / NOTEBOOK, self.root / NOTEBOOK)
+        shutil.copy(ROOT / "notebooks" / notebook, self.root / notebook)
         shutil.copytree(ROOT / "notebooks" / "configs", self.root / "configs")
         dirs = {name: tmp / name for name in ("config", "data", "runtime", "ipython", "settings", "workspaces")}
         for d in dirs.values():
@@ -406,3 +407,62 @@ def test_quickstart_panel_in_browser(server):
         print(f"known upstream browser error, let through: {m} ({why})")
     errors = [m for m in problems if m not in {k for k, _ in known}]
     assert not errors, "browser console errors:\n" + "\n".join(errors)
+
+
+REAL_MODEL_NOTEBOOK = "08_instruction_tuning.ipynb"
+
+
+@pytest.fixture
+def lab_real_model(tmp_path):
+    """JupyterLab with notebook 08 (instruction tuning on SmolLM2), the kernel-error recorder as its first cell."""
+    from .kernel_errors import RECORD_FILE, recorder_cell
+
+    srv = JupyterServer("lab", tmp_path, REAL_MODEL_NOTEBOOK)
+    nb = json.loads((srv.root / REAL_MODEL_NOTEBOOK).read_text())
+    nb["cells"].insert(0, {"cell_type": "code", "id": "e2e-kernel-errors", "metadata": {}, "outputs": [],
+                           "execution_count": None, "source": recorder_cell(srv.root / RECORD_FILE)})
+    (srv.root / REAL_MODEL_NOTEBOOK).write_text(json.dumps(nb))
+    srv.start()
+    yield srv
+    srv.stop()
+    assert srv.proc.poll() is not None
+
+
+def test_real_model_notebook_runs_all_in_jupyterlab(lab_real_model, smollm2):
+    """Run All of notebook 08 in JupyterLab: every cell runs (its own asserts on SmolLM2's answers included), no
+    traceback, no browser console error, and nothing in the kernel's error record but the canary. (This is where 08
+    runs under make test: tests/test_notebooks.py runs it headless only where there is no browser.)"""
+    from playwright.sync_api import expect, sync_playwright
+
+    from .kernel_errors import RECORD_FILE, assert_only_canary, fire_canary, log_console_entries
+
+    server = lab_real_model
+    ARTIFACTS.mkdir(exist_ok=True)
+    url = (f"{server.base}/lab/workspaces/e2e-{secrets.token_hex(4)}/tree/{REAL_MODEL_NOTEBOOK}?reset"
+           f"&token={server.token}")
+    problems: list[str] = []
+    with sync_playwright() as p, kernel_stacks_on_failure(server):
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 2200})
+            page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.goto(url)
+            nb = page.locator(".jp-NotebookPanel:visible")
+            expect(nb.locator(".jp-Cell").first).to_be_visible(timeout=120_000)
+            _wait_for_kernel(server)
+            _run_all(page)
+            cells = json.loads((server.root / REAL_MODEL_NOTEBOOK).read_text())["cells"]
+            expect(nb.locator(".jp-CodeCell .jp-InputPrompt")).to_have_count(
+                sum(c["cell_type"] == "code" for c in cells))
+            _wait_until_ran(nb, RUN_ALL_TIMEOUT_S, server)
+            outputs = nb.locator(".jp-OutputArea").all_inner_texts()
+            text = "\n".join(outputs)
+            assert "Traceback (most recent call last)" not in text, text[-3000:]
+            record = server.root / RECORD_FILE
+            fire_canary(page, nb, record)
+            page.screenshot(path=str(ARTIFACTS / "e2e-real-model-notebook.png"))
+            assert_only_canary(record, log_console_entries(page))
+        finally:
+            browser.close()
+    assert not problems, "browser console errors:\n" + "\n".join(problems)
