@@ -264,6 +264,7 @@ def test_exports_name_the_hub_model_of_the_smollm2_preset_and_its_template():
     hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
     doc, notes = ex.llamafactory_config(cfg)
     assert (doc["model_name_or_path"], doc["template"]) == (hub, "smollm2") and "template" not in notes
+    assert "chat_template" not in notes    # "auto" is written as the model's LLaMA-Factory template, not a Jinja string
     assert "Q4_1" in notes["model"] and "dequantized" in notes["model"]
     at, at_notes = ex.autotrain_config(cfg)
     assert at["base_model"] == hub and "Q4_1" in at_notes["model"]

@@ -180,7 +180,7 @@ def _sft_notes(cfg: TrainConfig, fmt: str) -> dict[str, str]:
         notes["template"] = ("chat_template='auto': template is left unset, so LLaMA-Factory parses the tokenizer's "
                              "own chat template (as nbtrain does); set it to the model's LLaMA-Factory template "
                              "(e.g. qwen, llama3) where the model has one")
-    elif cfg.chat_template not in LF_TEMPLATES:
+    elif cfg.chat_template != "auto" and cfg.chat_template not in LF_TEMPLATES:
         notes["chat_template"] = ("chat_template is a Jinja string, which has no LLaMA-Factory template name: put it "
                                   "in the tokenizer's chat_template (tokenizer_config.json) and leave template unset "
                                   "(LLaMA-Factory then parses it); it reads back as 'auto'")
