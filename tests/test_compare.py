@@ -9,6 +9,8 @@ import sys
 import warnings
 
 import pandas as pd
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -358,6 +360,11 @@ def test_demo_writes_three_row_table_and_report(tmp_path, capsys):
     rows = [w for w in firsts if w in ("fp32", "bf16", "fp16")]
     assert rows[:3] == ["fp32", "bf16", "fp16"]
     assert report.stat().st_size > 1_000_000
+    from nbtrain.cli import REAL_MODEL_NOTEBOOK
+
+    last = out.strip().splitlines()[-1]   # it ends by naming the real-model notebook, which is there
+    assert REAL_MODEL_NOTEBOOK in last and "smollm2-135m-instruct" in last
+    assert (Path(__file__).resolve().parents[1] / REAL_MODEL_NOTEBOOK).is_file()
 
 
 def test_cli_progress_bar_draws_once_per_step_with_that_steps_loss(capsys):
