@@ -270,6 +270,22 @@ def test_versus_a_measured_peak():
         est.versus(Result())
 
 
+def test_versus_a_cpu_run_sets_its_run_tensors_beside_their_estimate():
+    """A CPU run records its own tensors (host_tensors_gib), whose tracer sees no short-lived tensor: versus()
+    sets them beside run_tensors_gib, not the tensor peak (issue 36.4's 0.80-0.88 were that mismatch), and the
+    report names the figure."""
+    est = estimate_memory(_cfg(), device="cpu", device_total_gib=64)
+
+    class Result:
+        summary = {"peak_vram_gib": None, "peak_host_tensors_gib": est.run_tensors_gib}
+
+    v = est.versus(Result())
+    assert v["ratio"] == pytest.approx(1) and v["tensors_peak_gib"] == est.tensors_peak_gib
+    assert est.run_tensors_gib < est.tensors_peak_gib
+    assert "host_tensors_gib" in str(est) and "host_tensors_gib" in est._repr_html_()
+    assert "host_tensors_gib" not in str(estimate_memory(_cfg(), device="cuda", device_total_gib=80))
+
+
 def test_cli_estimate_prints_the_table(tmp_path, capsys):
     from nbtrain.cli import main
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
@@ -61,6 +62,9 @@ class EstimateReport:
     weights_dtype: str = "fp32"
     master_weights_gib: float = 0.0         # of the weights: the fp32 master copy (autocast precisions)
     scale_line: str = ""                    # from how many processes it fits under fsdp ("" when not asked)
+    # on the CPU: what the run will record as host_tensors_gib, to compare a run with (0 elsewhere)
+    run_tensors_gib: float = 0.0
+    tensors_peak_gib: float = 0.0           # the peak without overhead, beside it
 
     @property
     def share(self) -> Optional[float]:
@@ -97,7 +101,20 @@ def estimate_report(est: MemoryEstimate) -> EstimateReport:
         notes=tuple(est.notes), advice=tuple(est.advice),
         dtypes=tuple(dtypes.get(name, "") if name in DTYPE_PARTS else "" for name, _ in rows),
         optimizer=optimizer, weights_dtype=weights_dtype,
-        master_weights_gib=float(getattr(est, "master_weights_gib", 0.0) or 0.0), scale_line=scale_line(est))
+        master_weights_gib=float(getattr(est, "master_weights_gib", 0.0) or 0.0), scale_line=scale_line(est),
+        run_tensors_gib=float(getattr(est, "run_tensors_gib", 0.0) or 0.0) if str(est.device).startswith("cpu")
+        else 0.0, tensors_peak_gib=float(getattr(est, "tensors_peak_gib", 0.0) or 0.0))
+
+
+def run_tensors_line(r: EstimateReport) -> str:
+    """On the CPU, the figure a run's host_tensors_gib is to be compared with, and why it is below the peak (""
+    elsewhere). Set beside the peak instead, a run's record reads low, the more so the larger the vocabulary (the
+    loss backward's fp32 logit gradients are short-lived): the tracer's blind spot, not the estimate's error."""
+    if not r.run_tensors_gib:
+        return ""
+    return (f"a CPU run records {fmt_gib(r.run_tensors_gib)} as host_tensors_gib (weights, optimizer state and "
+            f"the tensors saved for backward), not the peak's {fmt_gib(r.tensors_peak_gib)} of tensors: its tracer "
+            "sees no short-lived tensor and no gradient made during backward")
 
 
 METHOD_NAMES = {"full": "full fine-tune", "lora": "LoRA", "qlora": "QLoRA"}
@@ -154,6 +171,8 @@ def estimate_text(est: MemoryEstimate) -> str:
                      "updates (the forward reads autocast's casts of it)")
     lines.append(f"  total: the step's peak, at {r.peak_phase}; not the sum of the parts, since")
     lines.append("  gradients are created in backward as the activations are freed")
+    if run_tensors_line(r):
+        lines += textwrap.wrap(run_tensors_line(r), 108, initial_indent="  ", subsequent_indent="  ")
     lines.append(f"  {r.device}: {r.device_total_gib:.2f} GiB -> {'fits' if r.fits else 'DOES NOT FIT'}")
     if r.scale_line:
         lines.append(f"  {r.scale_line}")
@@ -216,6 +235,8 @@ def estimate_html(est: MemoryEstimate, device: str = "", *, details: bool = Fals
                                  if r.master_weights_gib else "")))
         if r.scale_line:
             lines.append(_esc(r.scale_line))
+        if run_tensors_line(r):
+            lines.append(_small(_esc(run_tensors_line(r))))
         lines += [_small(f"note: {_esc(n)}") for n in r.notes]
         if r.advice:
             items = "".join(f"<li>{_esc(a.description)}: {fmt_gib(a.total_gib)}{' (fits)' if a.fits else ''}</li>"

@@ -148,7 +148,10 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
         # forward and kept until backward, which multiplies them by the incoming scalar (a second copy).
         C = min(cfg.loss_chunk_tokens, n_targets)
         saved += (pb * h + 8) * n_targets             # the selected hidden states (fp32; bf16 under bf16-pure) and their targets
-        keep = pb * h * n_targets + (pb * head_weight if head_trainable else 0)
+        # the weight's gradient is summed over the chunks in an fp32 buffer whatever the weight's dtype
+        # (engine.losses._fused_chunks): under bf16-pure it is twice the bf16 weight, not its size
+        w_grad = 4 * head_weight if head_trainable else 0
+        keep = pb * h * n_targets + w_grad
         loss_saved = keep
         if autocast_bytes:
             # bf16 copies of the weight and the hidden states; a chunk's bf16 logits + fp32 copy, then its
@@ -162,7 +165,16 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
             copies, chunk = 0, 4 * C * V
         chunk_forward = copies + keep + chunk
         logits = logits_grad = 0
-        loss_backward = 2 * keep                      # ... and the scaled copies the backward makes
+        # ... and the backward's scaled copies: each saved gradient times the fp32 scalar is an fp32 product,
+        # then cast to its tensor's dtype, one after the other (the hidden states' first). In fp32 the cast is the
+        # product itself: twice what is kept. Under bf16-pure the product is fp32 beside its bf16 cast, and the
+        # weight's is the large one (a 49k x 576 head: 6 bytes/param on top of the 4 kept)
+        hn = h * n_targets
+        if pb == 4:
+            loss_backward = 2 * keep
+        else:
+            w_cast = pb * head_weight if head_trainable else 0
+            loss_backward = keep + max(4 * hn + pb * hn, pb * hn + w_grad + w_cast)
         # the saved gradients gone; the hidden states' gradient meets the index/slice backward
         backward = (pb * head_weight if head_trainable else 0) + pb * h * n_targets + 2 * pb * h * N
     elif chunked:
@@ -334,7 +346,9 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
                                 "the last layer's forward")
     # nbtrain.engine.loop.micro_loss_sum keeps no reference to the logits: after the loss's forward only the
     # autograd graph holds what backward needs (log_softmax's output, not the logits)
-    phases["loss"] = (earlier_grads + acts + head.loss_backward + g_loss, "the loss backward (log_softmax)")
+    phases["loss"] = (earlier_grads + acts + head.loss_backward + g_loss,
+                      "the loss backward (the fused head's gradients scaled)" if head.fused
+                      else "the loss backward (log_softmax)")
     # the output layer's backward: the logits' gradient, the hidden states' and the weight's (when it trains)
     phases["head"] = (earlier_grads + acts + head.backward + g_head, "the output layer's backward")
     # decoder layers, last to first: their activations go, their gradients come
