@@ -98,7 +98,7 @@ class MemoryEstimate:
         """The estimate beside a measurement: a GiB value, or a TrainResult. A value and a GPU run's peak VRAM
         (``peak_vram_gib``) are set beside the tensor peak. A CPU run has no device peak; its
         ``peak_host_tensors_gib`` is set beside ``run_tensors_gib``, the estimate of what that tracer counts
-        (it sees no short-lived tensor, so it is below the tensor peak, by 11-19% on SmolLM2-135M at 4 x 256,
+        (it sees no short-lived tensor, so it is below the tensor peak, by 11-22% on SmolLM2-135M at 4 x 256,
         docs/memory-model.md; the result then has ``tensors_peak_gib`` too)."""
         if hasattr(measured_peak_gib, "summary"):
             summary = measured_peak_gib.summary
