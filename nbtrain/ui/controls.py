@@ -420,7 +420,7 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
                                                        ("messages", "messages"),
                                                        ("prompt-completion", "prompt-completion")])),
         "dataset_entry": _with_widget(_optional_str("the folder's only entry"),
-                                      _text("Dataset entry", "blank: the folder's only entry · a,b")),
+                                      _text("Dataset entry", "blank: its only entry")),
         "chat_template": Codec(_combo("Chat template", ["auto", "chatml", "llama3", "alpaca"],
                                       "auto, chatml, llama3, alpaca or a Jinja string")),
         "train_on": Codec(_dropdown("Loss on", [("every answer", "completion"), ("last answer", "last"),

@@ -459,6 +459,10 @@ def test_real_model_notebook_runs_all_in_jupyterlab(lab_real_model, smollm2):
             outputs = nb.locator(".jp-OutputArea").all_inner_texts()
             text = "\n".join(outputs)
             assert "Traceback (most recent call last)" not in text, text[-3000:]
+            # a tutorial shows no red stderr box (what test_notebooks checks of the others, headless)
+            stderr = nb.locator('[data-mime-type="application/vnd.jupyter.stderr"]')
+            assert stderr.count() == 0, stderr.all_inner_texts()[:3]
+            assert nb.locator('[data-mime-type="application/vnd.jupyter.stdout"]').count() > 0   # the selector reads
             record = server.root / RECORD_FILE
             fire_canary(page, nb, record)
             page.screenshot(path=str(ARTIFACTS / "e2e-real-model-notebook.png"))
