@@ -72,12 +72,14 @@ def test_notebook_asserts_its_claims(path):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p.stem)
 def test_notebook_executes(path):
-    from .e2e.test_browser import REAL_MODEL_NOTEBOOK, _missing
+    from .e2e.test_browser import NOTEBOOK, REAL_MODEL_NOTEBOOK, _missing
 
-    if path.name == REAL_MODEL_NOTEBOOK and _missing() is None:
-        # one run of the real-model notebook per suite, with the same checks (no error, no stderr box) and more
+    in_browser = {REAL_MODEL_NOTEBOOK: "test_real_model_notebook_runs_all_in_jupyterlab",
+                  NOTEBOOK: "test_quickstart_panel_in_browser[jupyterlab]"}
+    if path.name in in_browser and _missing() is None:
+        # one run of these per suite: Run All in JupyterLab makes the same checks (no error, no stderr box) and more
         pytest.skip(f"{path.name} runs in JupyterLab under Chromium instead: tests/e2e/test_browser.py::"
-                    "test_real_model_notebook_runs_all_in_jupyterlab (here only where there is no browser)")
+                    f"{in_browser[path.name]} (here only where there is no browser)")
     nb = nbformat.read(path, as_version=4)
     start = time.monotonic()
     try:

@@ -328,6 +328,13 @@ def _wait_until_ran(nb, timeout: float, server: "JupyterServer | None" = None) -
         time.sleep(1)
 
 
+def _assert_no_stderr_box(nb) -> None:
+    """A tutorial shows no red stderr box (what test_notebooks checks headless of the notebooks run only there)."""
+    stderr = nb.locator('[data-mime-type="application/vnd.jupyter.stderr"]')
+    assert stderr.count() == 0, stderr.all_inner_texts()[:3]
+    assert nb.locator('[data-mime-type="application/vnd.jupyter.stdout"]').count() > 0   # the selector reads outputs
+
+
 def test_quickstart_panel_in_browser(server):
     from playwright.sync_api import expect, sync_playwright
 
@@ -358,6 +365,8 @@ def test_quickstart_panel_in_browser(server):
             _wait_until_ran(nb, RUN_ALL_TIMEOUT_S, server)
             outputs = nb.locator(".jp-OutputArea").all_inner_texts()
             assert not any("Traceback (most recent call last)" in t for t in outputs), "\n".join(outputs)[-3000:]
+            if server.app == "lab":   # the whole quickstart (Notebook 7 runs up to the Panel)
+                _assert_no_stderr_box(nb)
             record = server.root / RECORD_FILE
             fire_canary(page, nb, record)
 
@@ -459,10 +468,7 @@ def test_real_model_notebook_runs_all_in_jupyterlab(lab_real_model, smollm2):
             outputs = nb.locator(".jp-OutputArea").all_inner_texts()
             text = "\n".join(outputs)
             assert "Traceback (most recent call last)" not in text, text[-3000:]
-            # a tutorial shows no red stderr box (what test_notebooks checks of the others, headless)
-            stderr = nb.locator('[data-mime-type="application/vnd.jupyter.stderr"]')
-            assert stderr.count() == 0, stderr.all_inner_texts()[:3]
-            assert nb.locator('[data-mime-type="application/vnd.jupyter.stdout"]').count() > 0   # the selector reads
+            _assert_no_stderr_box(nb)
             record = server.root / RECORD_FILE
             fire_canary(page, nb, record)
             page.screenshot(path=str(ARTIFACTS / "e2e-real-model-notebook.png"))
