@@ -48,6 +48,15 @@ class Capabilities:
             return "fp16"
         return "fp32"
 
+    @property
+    def peak_tflops(self) -> dict[str, float]:
+        """Dense peak TFLOP/s by compute dtype ("fp32", "tf32", "bf16", "fp16", "fp8"): a GPU's from its vendor's
+        data sheet (``GPU_PEAK_TFLOPS``, matched by name; empty for a GPU not in it), a CPU's measured by a short
+        GEMM probe per dtype on this process's threads (``cpu_peak_tflops``, once per process)."""
+        if self.device == "cuda":
+            return gpu_peak_tflops(self.name)
+        return cpu_peak_tflops(torch.get_num_threads())
+
     def why_not(self, option: str) -> str | None:
         """The reason an option (a precision, method or optimizer name) cannot run here, or None."""
         return self.reasons.get(option)
@@ -106,6 +115,51 @@ def _torchao_status() -> str | None:
 
 def _host_memory_gib() -> float:
     return psutil.virtual_memory().total / 2**30
+
+
+# Dense (no structured sparsity) peak TFLOP/s from NVIDIA's data sheets, SXM parts unless named: the tensor-core
+# figures for tf32 / bf16 / fp16 / fp8, the CUDA-core figure for fp32. Longer names first (e.g. "H100 PCIe").
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    "L40S": {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05, "fp8": 733.0},
+    "L4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5},
+    "A10G": {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
+    "RTX 4090": {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
+    "V100": {"fp32": 15.7, "fp16": 125.0},
+    "T4": {"fp32": 8.1, "fp16": 65.0},
+}
+
+
+def gpu_peak_tflops(name: str) -> dict[str, float]:
+    """The data-sheet peaks of the GPU called ``name`` (e.g. "NVIDIA H200"); ``{}`` when it is not in the table."""
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if key.lower() in name.lower():
+            return dict(GPU_PEAK_TFLOPS[key])
+    return {}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_peak_tflops(threads: int) -> dict[str, float]:
+    """This CPU's matmul TFLOP/s per dtype on ``threads`` threads, measured: the best of a few square GEMMs after a
+    warm-up (fp32 and bf16 at 1024, fp16 at 512: slow without fp16 hardware), ~0.3 s in all."""
+    import time
+
+    out: dict[str, float] = {}
+    for key, dtype, n in (("fp32", torch.float32, 1024), ("bf16", torch.bfloat16, 1024), ("fp16", torch.float16, 512)):
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        out[key] = 2.0 * n**3 / best / 1e12
+    out["tf32"] = out["fp32"]   # no tf32 on a CPU: fp32 matmuls
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,7 +23,7 @@ from .._version import __version__
 from ..hardware import capabilities
 
 _TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "optimizer",
-                 "weights_dtype", "steps", "order", "wall_s", "tokens_per_s", "speedup",
+                 "weights_dtype", "steps", "order", "wall_s", "tokens_per_s", "speedup", "mfu",
                  "peak_vram_gib", "peak_host_rss_gib", "peak_host_tensors_gib", "est_weights_gib",
                  "est_master_weights_gib", "est_gradients_gib", "est_optimizer_gib", "est_total_gib", "final_loss",
                  "eval_loss", "eval_perplexity", "eval_accuracy", "max_abs_loss_diff", "skipped_steps",
@@ -65,7 +65,7 @@ def _fmt_gib(v: float) -> str:
     return f"{v:.{decimals}f}"
 
 
-_FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.0f}",
+_FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.0f}", "mfu": "{:.2%}",
             "tokens_per_s_spread": "{:,.0f}", "speedup": "{:.2f}x", "speedup_low": "{:.2f}x",
             "speedup_high": "{:.2f}x", "speedup_spread": "{:.2f}",
             "noise_floor": "±{:.1%}", "peak_vram_gib": _fmt_gib,

@@ -207,6 +207,8 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             # Paired by repeat (repeat r of every variant ran back to back): the median ratio, its range and half it,
             # judged by the speed rule (widened by an A/A copy's half-width), as the verdicts judge it.
             **_speed_columns(_verdicts.speed([t for t, _ in o.timings], ref_tps, aa_floor), floor),
+            # model FLOPs per second over the device's peak for the variant's compute dtype (summary["mfu"])
+            "mfu": _float_or_nan(s.get("mfu")),
             "peak_vram_gib": _float_or_nan(s.get("peak_vram_gib")),
             "peak_host_rss_gib": _float_or_nan(s.get("peak_host_rss_gib")),
             # what the run's own tensors took on a CPU, where RSS is the whole process's (absent in older runs)

@@ -68,6 +68,11 @@ class RunSummary(Mapping):
     variant: Optional[str] = None
     world_size: int = 1
     sample_s: Optional[float] = None   # time spent answering the sample prompts (in wall_s, not in tokens_per_s)
+    # FLOPs of one training token from the architecture (engine.flops): the model's, and with checkpointing's
+    # recompute; mfu = model FLOPs per second over the devices' peak for the compute dtype (capabilities().peak_tflops)
+    model_flops_per_token: Optional[float] = None
+    hardware_flops_per_token: Optional[float] = None
+    mfu: Optional[float] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def _keys(self) -> list[str]:
@@ -196,6 +201,22 @@ def weights_dtype(params: list[torch.Tensor]) -> str:
     return "+".join(kinds) if kinds else "-"
 
 
+def _flops_and_mfu(st: RunState, tokens_per_s: float):
+    """(TokenFlops, mfu) of the run; (None, None) for an image model (its tokens are patches) or where the count
+    fails: a metric never fails a run."""
+    if st.cfg.task == "image-classification":
+        return None, None
+    try:
+        from ..hardware import capabilities
+        from .flops import mfu, token_flops
+
+        flops = token_flops(st.model, st.cfg.max_seq_len, st.cfg.gradient_checkpointing)
+        peak = capabilities(torch.device(st.device).type).peak_tflops
+        return flops, mfu(flops.model, tokens_per_s, peak, st.precision, st.dist.world)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None, None
+
+
 def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
               sampler: Optional[Sampler] = None) -> RunSummary:
     """The run's summary from its records and what prepare() knew."""
@@ -213,9 +234,13 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
                              lrs={r.step: r.lr for r in records})
     if line and line not in st.notes:
         st.notes.append(line)
+    tokens_per_s = n_in_tokens / train_wall if train_wall > 0 else 0.0
+    flops, run_mfu = _flops_and_mfu(st, tokens_per_s)
     return RunSummary(
         steps=len(records), tokens=int(sum(r.tokens for r in records)),
-        tokens_per_s=n_in_tokens / train_wall if train_wall > 0 else 0.0,
+        tokens_per_s=tokens_per_s,
+        model_flops_per_token=flops.model if flops else None,
+        hardware_flops_per_token=flops.hardware if flops else None, mfu=run_mfu,
         peak_vram_gib=max(peaks) if peaks else None,
         peak_host_rss_gib=max((r.host_rss_gib for r in records), default=host_rss_gib()),
         peak_host_tensors_gib=max(tensor_peaks) if tensor_peaks else None,

@@ -112,6 +112,9 @@ def summary_text(records: list, evals: list, info: Any = None, result: Any = Non
         tps = tt / st if st > 0 and tt > 0 else None
     if tps:
         parts.append(f"{tps:,.0f} tok/s")
+    run_mfu = summ.get("mfu")
+    if run_mfu is not None and math.isfinite(run_mfu):   # model FLOPs over the device's peak (engine.flops)
+        parts.append(f"MFU {100 * run_mfu:.{1 if run_mfu >= 0.01 else 2}f}%")
     if info is not None and getattr(info, "precision_used", None):
         parts.append(str(info.precision_used))
     if summ.get("stopped_reason"):
