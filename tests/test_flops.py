@@ -56,7 +56,7 @@ def test_peaks_a_gpu_table_and_a_measured_cpu():
 
 
 def test_every_run_reports_its_mfu_and_compare_and_the_header_show_it(collect):
-    from nbtrain.viz.text import summary_text
+    from nbtrain.viz.text import status_line, summary_text
 
     cfg = nbt.TrainConfig(model="tiny", subset=16, max_seq_len=32, micro_batch_size=4, max_steps=2,
                           eval_fraction=0.0, precision="bf16", method="lora")
@@ -70,6 +70,12 @@ def test_every_run_reports_its_mfu_and_compare_and_the_header_show_it(collect):
     assert 0 < s["mfu"] < 1
     shown = re.search(r"MFU ([\d.]+)%", summary_text(collect.records, [], result=r))
     assert shown and float(shown.group(1)) == pytest.approx(100 * s["mfu"], abs=0.05)
+    # live, in the dashboard's status line, from the run's info and the recent steps' tokens/s
+    info = collect.info
+    assert info.model_flops_per_token == flops.model and info.peak_tflops == peak
+    live = re.search(r"([\d,]+) tok/s · MFU ([\d.]+)%", status_line(collect.records, info))
+    tps = float(live.group(1).replace(",", ""))
+    assert float(live.group(2)) == pytest.approx(100 * flops.model * tps / (peak * 1e12), abs=0.06)
     cmp = nbt.compare(cfg, precisions=("fp32", "bf16"), warmup=False)
     t = cmp.table.set_index("variant")
     assert all(t.loc[v, "mfu"] == cmp.results[v].summary["mfu"] for v in ("fp32", "bf16"))

@@ -213,7 +213,8 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
                    device_total_gib=caps.total_memory_gib, scaler_enabled=spec.scaler,
                    total_steps=total_steps, train_examples=len(data.train), eval_examples=len(data.eval),
                    trainable_params=trainable, total_params=total_params,
-                   max_grad_norm=cfg.max_grad_norm, variant=variant, model=model)
+                   max_grad_norm=cfg.max_grad_norm, variant=variant, model=model,
+                   **_flops_info(cfg, model, caps, precision, dist.world))
     st = RunState(
         cfg=cfg, device=device, precision=precision, spec=spec, dist=dist,
         cbs=CallbackList(callbacks if dist.rank == 0 else []), rng=rng,
@@ -232,6 +233,21 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     if cfg.resume_from:
         resume(st, cfg.resume_from)
     return st
+
+
+def _flops_info(cfg, model, caps, precision: str, world: int) -> dict:
+    """RunInfo's model_flops_per_token and peak_tflops (the live MFU); empty for an image model or where either
+    cannot be told: a metric never stops a run."""
+    if cfg.task == "image-classification":
+        return {}
+    try:
+        from .flops import compute_dtype, token_flops
+
+        flops = token_flops(model, cfg.max_seq_len, cfg.gradient_checkpointing).model
+        peak = caps.peak_tflops.get(compute_dtype(precision))
+        return {"model_flops_per_token": flops, "peak_tflops": peak * world if peak else None}
+    except Exception:  # noqa: BLE001 - see the docstring
+        return {}
 
 
 def adopt_launcher_sharding(cfg: TrainConfig, notes: list[str]) -> TrainConfig:

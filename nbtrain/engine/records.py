@@ -73,6 +73,10 @@ class RunInfo:
     max_grad_norm: Optional[float]
     variant: Optional[str] = None
     model: Any = field(default=None, repr=False, compare=False)  # to observe (e.g. snapshot weights), never to change
+    # for a live MFU: one training token's model FLOPs (engine.flops) and the peak TFLOP/s of every process's device
+    # for the run's compute dtype; None where unknown
+    model_flops_per_token: Optional[float] = None
+    peak_tflops: Optional[float] = None
 
 
 @dataclass

@@ -32,6 +32,10 @@ def _batch_text(info: Any, micro_steps: Optional[int]) -> Optional[str]:
     return f"micro {micro} × accum {accum} = {micro * accum}"
 
 
+def _mfu_text(value: float) -> str:
+    return f"MFU {100 * value:.{1 if value >= 0.01 else 2}f}%"
+
+
 def status_line(records: list, info: Any = None, total_steps: Optional[int] = None,
                 run: Optional[str] = None) -> str:
     """One line: step/total, tokens/s, elapsed, ETA, precision, micro × accum = effective batch, method."""
@@ -51,6 +55,9 @@ def status_line(records: list, info: Any = None, total_steps: Optional[int] = No
                    and r.step_time_s is not None and math.isfinite(r.step_time_s))
         if toks > 0 and dt > 0:
             parts.append(f"{toks / dt:,.0f} tok/s")
+            flops, peak = getattr(info, "model_flops_per_token", None), getattr(info, "peak_tflops", None)
+            if flops and peak:   # model FLOPs per second over the devices' peak (summary["mfu"] at the end)
+                parts.append(_mfu_text(flops * toks / dt / (peak * 1e12)))
         elif dts:
             parts.append(f"{dt / len(dts):.2f} s/step")
     if last is not None:
@@ -114,7 +121,7 @@ def summary_text(records: list, evals: list, info: Any = None, result: Any = Non
         parts.append(f"{tps:,.0f} tok/s")
     run_mfu = summ.get("mfu")
     if run_mfu is not None and math.isfinite(run_mfu):   # model FLOPs over the device's peak (engine.flops)
-        parts.append(f"MFU {100 * run_mfu:.{1 if run_mfu >= 0.01 else 2}f}%")
+        parts.append(_mfu_text(run_mfu))
     if info is not None and getattr(info, "precision_used", None):
         parts.append(str(info.precision_used))
     if summ.get("stopped_reason"):
