@@ -126,26 +126,16 @@ PROFILES = {
                    budget_s=0.0),
 }
 
-# Dense (no sparsity) peak TFLOP/s per precision; fp32 is the non-tensor-core rate. From NVIDIA's data sheets.
-PEAK_TFLOPS: list[tuple[tuple[str, ...], dict[str, float]]] = [
-    (("H200",), dict(fp32=66.9, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9)),
-    (("H100", "NVL"), dict(fp32=60.0, tf32=417.5, bf16=835.5, fp16=835.5, fp8=1670.9)),
-    (("H100", "PCIe"), dict(fp32=51.2, tf32=378.0, bf16=756.0, fp16=756.0, fp8=1513.0)),
-    (("H100",), dict(fp32=66.9, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9)),   # SXM
-    (("A100",), dict(fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0)),
-    (("L40S",), dict(fp32=91.6, tf32=183.0, bf16=362.0, fp16=362.0)),
-    (("L4",), dict(fp32=30.3, tf32=60.0, bf16=121.0, fp16=121.0)),
-]
-
 TARGETS = dict(nbtrain_vs_bare=0.98, nbtrain_vs_trainer=1.0, dashboard_cost=0.02, bf16_opt_tokens_per_s=125_000,
                bf16_opt_peak_gib=16.0, qlora_vs_lora=0.6, cpu_nbtrain_vs_bare=0.97)
 
 
 def peak_tflops(gpu_name: str) -> Optional[dict[str, float]]:
-    for keys, peaks in PEAK_TFLOPS:
-        if all(k.lower() in gpu_name.lower() for k in keys):
-            return peaks
-    return None
+    """The dense data-sheet peaks of ``gpu_name`` (nbtrain.hardware.GPU_PEAK_TFLOPS, the table every run's MFU
+    uses), or None for a GPU not in it."""
+    from nbtrain.hardware import gpu_peak_tflops
+
+    return gpu_peak_tflops(gpu_name) or None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ def test_token_flops_match_torchs_flop_counter_within_10_percent(method, ckpt):
 
 def test_peaks_a_gpu_table_and_a_measured_cpu():
     assert gpu_peak_tflops("NVIDIA H200")["bf16"] == 989.4 and gpu_peak_tflops("NVIDIA H100 PCIe")["bf16"] == 756.0
+    assert gpu_peak_tflops("NVIDIA H100 NVL")["bf16"] == 835.5 and gpu_peak_tflops("NVIDIA H100 80GB HBM3")["fp32"] == 66.9
     assert gpu_peak_tflops("Some Unknown GPU") == {}
     cpu = cpu_peak_tflops(1)
     assert set(cpu) == {"fp32", "tf32", "bf16", "fp16"} and all(v > 0 for v in cpu.values())
