@@ -312,9 +312,51 @@ def _run_all(page, timeout: float = 60) -> None:
         time.sleep(1)
 
 
+class FrontendStall(AssertionError):
+    """Every kernel has been idle for STALL_IDLE_S while the page still shows a cell running: the kernel finished,
+    the frontend never took in the end of the run (seen now and then on 2 busy cores: issues 35 and 36, with an idle
+    kernel, no browser console error and nothing in the kernel's error record). ``one_retry_on_stall`` runs the
+    test once more from a restarted kernel and a new page; a second stall fails."""
+
+
+STALL_IDLE_S = 60
+
+
+def _kernels_idle_s(server: "JupyterServer") -> float | None:
+    """Seconds since the last activity of this server's kernels when all are idle; None while any is busy (or the
+    server cannot say)."""
+    import datetime as dt
+
+    try:
+        kernels = server.api("GET", "/api/kernels") or []
+    except Exception:   # noqa: BLE001 - no answer: no judgement
+        return None
+    if not kernels or any(k.get("execution_state") != "idle" for k in kernels):
+        return None
+    last = max(dt.datetime.fromisoformat(k["last_activity"].replace("Z", "+00:00")) for k in kernels)
+    return (dt.datetime.now(dt.timezone.utc) - last).total_seconds()
+
+
+def one_retry_on_stall(server: "JupyterServer", body) -> None:
+    """``body()``, and once more after a FrontendStall, from a restarted kernel (the kernel-error record removed:
+    Run All writes it afresh); any other failure, or a second stall, fails the test."""
+    from .kernel_errors import RECORD_FILE
+
+    try:
+        body()
+        return
+    except FrontendStall as e:
+        print(f"frontend stall, the test runs once more from a restarted kernel: {str(e).splitlines()[0]}")
+    for k in server.api("GET", "/api/kernels") or []:
+        server.api("POST", f"/api/kernels/{k['id']}/restart")
+    (server.root / RECORD_FILE).unlink(missing_ok=True)
+    body()
+
+
 def _wait_until_ran(nb, timeout: float, server: "JupyterServer | None" = None) -> None:
     """Until every code cell of notebook panel ``nb`` shows an execution count and none a "*"; a traceback
-    on the way fails at once. On the timeout the failure carries the kernels' stacks (``server``)."""
+    on the way fails at once. On the timeout the failure carries the kernels' stacks (``server``); a page that
+    still shows a cell running after the kernel has been idle for STALL_IDLE_S raises FrontendStall."""
     prompts = nb.locator(".jp-CodeCell .jp-InputPrompt")
     deadline = time.monotonic() + timeout
     while True:
@@ -322,6 +364,10 @@ def _wait_until_ran(nb, timeout: float, server: "JupyterServer | None" = None) -
         if all(any(ch.isdigit() for ch in t) for t in texts) and not any("*" in t for t in texts):
             return
         assert "Traceback (most recent call last)" not in nb.inner_text(), nb.inner_text()[-3000:]
+        idle = _kernels_idle_s(server) if server is not None and any("*" in t for t in texts) else None
+        if idle is not None and idle > STALL_IDLE_S:
+            raise FrontendStall(f"the kernel has been idle for {idle:.0f} s, the page still shows {texts}\n"
+                                + server.kernel_stacks())
         if time.monotonic() >= deadline:
             raise AssertionError(f"Run All did not finish in {timeout} s: {texts}\n"
                                  + (server.kernel_stacks() if server is not None else ""))
@@ -336,6 +382,10 @@ def _assert_no_stderr_box(nb) -> None:
 
 
 def test_quickstart_panel_in_browser(server):
+    one_retry_on_stall(server, lambda: _quickstart_panel(server))
+
+
+def _quickstart_panel(server):
     from playwright.sync_api import expect, sync_playwright
 
     from .kernel_errors import RECORD_FILE, assert_only_canary, fire_canary, log_console_entries
@@ -441,6 +491,10 @@ def test_real_model_notebook_runs_all_in_jupyterlab(lab_real_model, smollm2):
     """Run All of notebook 08 in JupyterLab: every cell runs (its own asserts on SmolLM2's answers included), no
     traceback, no browser console error, and nothing in the kernel's error record but the canary. (This is where 08
     runs under make test: tests/test_notebooks.py runs it headless only where there is no browser.)"""
+    one_retry_on_stall(lab_real_model, lambda: _real_model_notebook(lab_real_model))
+
+
+def _real_model_notebook(lab_real_model):
     from playwright.sync_api import expect, sync_playwright
 
     from .kernel_errors import RECORD_FILE, assert_only_canary, fire_canary, log_console_entries

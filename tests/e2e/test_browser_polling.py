@@ -120,3 +120,55 @@ def test_only_a_taken_port_is_retried_and_with_a_new_port():
     always = []
     ok, out, _ = retry_port(lambda p: (always.append(p) or False, "EADDRINUSE", None))
     assert not ok and len(always) == START_ATTEMPTS                     # and a taken port only so often
+
+
+# -- a frontend that never takes in the end of a run (issues 35, 36) ----------------------------------------------
+class _FakeServer:
+    """The two REST calls one_retry_on_stall makes, recorded; a kernel-error record file in ``root``."""
+
+    def __init__(self, root, idle_for_s=0.0):
+        import datetime as dt
+
+        self.root, self.calls = root, []
+        last = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=idle_for_s)
+        self.kernels = [{"id": "k1", "execution_state": "idle", "last_activity": last.isoformat().replace("+00:00", "Z")}]
+
+    def api(self, method, path):
+        self.calls.append((method, path))
+        return self.kernels if method == "GET" else None
+
+
+def test_a_frontend_stall_is_told_by_an_idle_kernel_and_retried_once_from_a_restart(tmp_path):
+    from .kernel_errors import RECORD_FILE
+    from .test_browser import STALL_IDLE_S, FrontendStall, _kernels_idle_s, one_retry_on_stall
+
+    assert _kernels_idle_s(_FakeServer(tmp_path, idle_for_s=STALL_IDLE_S + 5)) > STALL_IDLE_S
+    busy = _FakeServer(tmp_path)
+    busy.kernels[0]["execution_state"] = "busy"
+    assert _kernels_idle_s(busy) is None
+
+    srv, runs = _FakeServer(tmp_path), []
+    (tmp_path / RECORD_FILE).write_text("old")
+
+    def stalls_once():
+        runs.append(1)
+        if len(runs) == 1:
+            raise FrontendStall("the kernel has been idle for 61 s")
+
+    one_retry_on_stall(srv, stalls_once)
+    assert len(runs) == 2 and ("POST", "/api/kernels/k1/restart") in srv.calls
+    assert not (tmp_path / RECORD_FILE).exists()
+
+    def always():
+        raise FrontendStall("again")
+
+    with pytest.raises(FrontendStall):          # a second stall fails the test
+        one_retry_on_stall(_FakeServer(tmp_path), always)
+
+    def other():
+        raise AssertionError("a real failure")
+
+    calls = _FakeServer(tmp_path)
+    with pytest.raises(AssertionError, match="a real failure"):   # anything else is never retried
+        one_retry_on_stall(calls, other)
+    assert calls.calls == []

@@ -37,7 +37,7 @@ from .kernel_errors import (RECORD_FILE, assert_only_canary, fire_canary, log_co
                             recorder_cell)
 from .test_browser import (_POINTS_PER_PANEL, ARTIFACTS, BROWSER_ARGS, CHROMIUM, KNOWN_UPSTREAM_ERRORS, PANELS, ROOT,
                            JupyterServer, _missing, _run_all, _wait_for_kernel, _wait_until_ran,
-                           kernel_stacks_on_failure)
+                           kernel_stacks_on_failure, one_retry_on_stall)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
@@ -196,6 +196,10 @@ def lab(tmp_path):
 
 
 def test_comparison_results_in_browser(lab):
+    one_retry_on_stall(lab, lambda: _comparison_results(lab))
+
+
+def _comparison_results(lab):
     from playwright.sync_api import expect, sync_playwright
 
     url = f"{lab.base}/lab/workspaces/e2e-{secrets.token_hex(4)}/tree/{NOTEBOOK}?reset&token={lab.token}"
