@@ -80,6 +80,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import nbtrain as nbt  # noqa: E402
 from nbtrain.data import collate, epoch_order, iter_steps, load_data  # noqa: E402
+from nbtrain.engine.optimizers import adamw_fused  # noqa: E402
 from nbtrain.hardware import resolve_precision  # noqa: E402
 from nbtrain.precision import PRECISION_TABLE, global_torch_state  # noqa: E402
 from nbtrain.models import build_model, count_params, load_tokenizer  # noqa: E402
@@ -150,7 +151,7 @@ class Row:
     group: str = ""
     cfg: tuple = ()                # extra TrainConfig fields, as (key, value) pairs
     dashboard: bool = False
-    fused: bool = True             # bare only: fused AdamW on CUDA
+    fused: bool = True             # bare only: fused AdamW (as nbtrain: CUDA, and the CPU on torch >= 2.4)
     attn: str = "sdpa"             # bare only: attention implementation
     host_sync: bool = False        # bare only: read loss and grad norm to the host after every step
     slow: bool = False             # fp32/tf32: the shorter window profile
@@ -415,8 +416,9 @@ def run_bare(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> dict:
     if row.attn != "sdpa":
         model.set_attn_implementation(row.attn)
     params = [p for p in model.parameters() if p.requires_grad]
+    # fused where nbtrain (and the Trainer's adamw_torch_fused) use it: CUDA and, since torch 2.4, the CPU
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            fused=(device == "cuda" and row.fused), foreach=None if row.fused else True)
+                            fused=(row.fused and adamw_fused(params, device)), foreach=None if row.fused else True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(win.total))
     scaler = torch.amp.GradScaler(device, enabled=spec.scaler)
     batches = iter_steps(data.train, cfg.micro_batch_size, 1, cfg.seed, data.pad_token_id, data.task)

@@ -38,11 +38,15 @@ NonFinitePolicy = Literal["skip", "stop", "continue"]
 # experiment trackers report_to can name (nbtrain.integrations.trackers has one callback for each)
 Tracker = Literal["tensorboard", "trackio", "mlflow", "wandb"]
 # how rows of instruction / chat data are laid out (LLaMA-Factory's alpaca and sharegpt, OpenAI/TRL messages, TRL
-# prompt-completion); "text" is plain text, "auto" reads the format from the columns
-DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "messages", "prompt-completion"]
+# prompt-completion, TRL preference: prompt/chosen/rejected); "text" is plain text, "auto" reads the format from the
+# columns
+DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "messages", "prompt-completion", "preference"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 CHAT_TEMPLATES = ("auto", "chatml", "llama3", "alpaca")   # or a literal Jinja template string
 TrainOn = Literal["completion", "last", "all"]
+# what the loss is: the next-token loss on the targets, or a preference objective over (prompt, chosen, rejected)
+Objective = Literal["lm", "dpo", "orpo", "simpo"]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
 # how several processes hold the model: none (each a full copy, DDP) or fsdp (FSDP2 fully_shard: weights, gradients
 # and optimizer state split over the ranks)
 Sharding = Literal["none", "fsdp"]
@@ -125,7 +129,7 @@ class TrainConfig(BaseModel):
     lr: float = Field(3e-4, gt=0, le=10, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="the optimizer's weight decay (decoupled for the AdamW "
                                                        "kinds and Adafactor)")
-    optimizer: Optimizer = Field("adamw", description="adamw (torch, fused on CUDA), adamw_8bit / paged_adamw_8bit "
+    optimizer: Optimizer = Field("adamw", description="adamw (torch, fused kernel on CUDA and CPU), adamw_8bit / paged_adamw_8bit "
                                  "(bitsandbytes: 8-bit state; paged is CUDA only), adafactor (factored second "
                                  "moment, no momentum) or sgd (momentum 0.9)")
     stochastic_rounding: bool = Field(False, description="bf16-pure only: round each weight update to bf16 "
@@ -187,6 +191,18 @@ class TrainConfig(BaseModel):
     sample_every: Optional[int] = Field(None, ge=1, description="answer the sample prompts every N steps (and at "
                                         "the end); blank = at the end only")
     max_new_tokens: int = Field(64, ge=1, le=4096, description="tokens per sample answer (greedy)")
+    # -- preference tuning (DPO, ORPO, SimPO) -------------------------------------------------------------------
+    objective: Objective = Field("lm", description="lm (the next-token loss on the targets), dpo (the policy's "
+                                 "log-prob ratios against a reference, chosen vs rejected), orpo (NLL of the chosen "
+                                 "answer plus an odds-ratio penalty; no reference) or simpo (length-normalised "
+                                 "margin; no reference); dpo/orpo/simpo need preference data (prompt, chosen, "
+                                 "rejected)")
+    pref_beta: float = Field(0.1, gt=0, le=100, description="dpo/simpo: beta, the reward scale; orpo: lambda, the "
+                             "odds-ratio weight (as LLaMA-Factory's pref_beta)")
+    simpo_gamma: float = Field(0.5, ge=0, le=100, description="simpo: the target reward margin gamma")
+    precompute_ref: bool = Field(False, description="dpo, full fine-tune: compute the reference log-probs once "
+                                 "before training instead of holding a frozen copy of the model (LoRA/QLoRA use "
+                                 "the model with its adapters off either way)")
     report_to: list[Tracker] = Field(
         [], description="log every step's record, the evals and the config to: tensorboard (output_dir/tensorboard, "
                         "else runs/<time>_<name>), trackio (its local store; trackio show), mlflow "
@@ -372,12 +388,35 @@ class TrainConfig(BaseModel):
         if self.precision == "fp8" and self.lean_layers:
             raise ValueError("lean_layers: its MLP computes the down projection itself, which would bypass fp8's "
                              "float8 matmul there; set lean_layers=False with precision='fp8'")
+        if self.objective != "lm":
+            self._check_preference()
+        elif self.precompute_ref:
+            raise ValueError("precompute_ref: reference log-probs are for objective='dpo'; got objective='lm'")
         if self.sharding == "fsdp":
             self._check_fsdp()
         if self.save_every and not self.output_dir:
             raise ValueError(f"save_every: {self.save_every} needs output_dir to be set (checkpoints go to "
                              "output_dir/checkpoints)")
         return self
+
+    def _check_preference(self) -> None:
+        """What a preference objective needs: causal-LM preference data, one example per row (no packing)."""
+        o = self.objective
+        if self.task != "causal-lm":
+            raise ValueError(f"objective: {o!r} trains a causal LM on (prompt, chosen, rejected); got "
+                             f"task={self.task!r}; use objective='lm'")
+        if self.packing:
+            raise ValueError(f"packing: objective={o!r} compares each chosen answer with its rejected one, row by "
+                             "row; set packing=False")
+        if self.chunked_loss:
+            raise ValueError(f"chunked_loss: objective={o!r} computes sequence log-probs on the answer tokens "
+                             "only (the full logits never exist anyway); set chunked_loss=False")
+        if self.data_format in ("text", "messages", "prompt-completion"):
+            raise ValueError(f"data_format: {self.data_format!r} has no rejected answer; objective={o!r} needs "
+                             "'preference' (prompt/chosen/rejected), 'alpaca' or 'sharegpt' with chosen/rejected, "
+                             "or 'auto'")
+        if self.precompute_ref and o != "dpo":
+            raise ValueError(f"precompute_ref: objective={o!r} uses no reference model; only 'dpo' does")
 
     def _check_fsdp(self) -> None:
         """What FSDP2 sharding does not compose with here, refused before anything loads, each with its reason."""
@@ -393,6 +432,8 @@ class TrainConfig(BaseModel):
             ("stochastic_rounding", self.stochastic_rounding, "its bf16 rounding draws noise per element of whole "
                                     "tensors, not of FSDP's shards; use precision='bf16-pure' without it, or "
                                     "precision='bf16' (fp32 sharded masters lose no updates)"),
+            ("objective", self.objective != "lm", "the preference objectives' reference forward (adapters off, "
+                          "or a frozen copy) is not sharded here; use sharding='none'"),
             ("chunked_loss", self.chunked_loss, "the chunked loss calls the decoder and the output layer apart, "
                              "outside FSDP's root forward that gathers them; set chunked_loss=False"),
             ("auto_batch_size", self.auto_batch_size, "its probe runs the model before it is sharded, so it would "

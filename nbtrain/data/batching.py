@@ -24,6 +24,9 @@ CLASSIFICATION = "sequence-classification"
 IMAGE_CLASSIFICATION = "image-classification"
 TASKS = (CAUSAL_LM, CLASSIFICATION, IMAGE_CLASSIFICATION)
 IGNORE_INDEX = -100   # the Hugging Face / torch cross-entropy "no target here" label
+# a tokenized preference example: "input_ids"/"labels" hold prompt + chosen answer (-100 on the prompt), and
+# "rejected_input_ids"/"rejected_labels" prompt + rejected answer
+PREF_KEY = "rejected_input_ids"
 
 
 @dataclass
@@ -38,9 +41,17 @@ class MicroBatch:
     indices: tuple[int, ...] = ()  # positions of its examples in the list given to iter_steps
     # packed chat data: (B, T) long, restarting at 0 for each packed example (padding continues as one more run)
     position_ids: torch.Tensor | None = None
+    # preference data: rows 0..P-1 are the P pairs' chosen sequences and rows P..2P-1 their rejected ones (the
+    # same order); 0 for every other batch
+    n_pairs: int = 0
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def loss_units(self) -> int:
+        """What a step's loss is a mean over: its pairs (preference data), else its target tokens (rule 4)."""
+        return self.n_pairs or self.n_targets
 
     def to(self, device, non_blocking: bool = False) -> MicroBatch:
         """A copy with the tensors on ``device``."""
@@ -49,14 +60,16 @@ class MicroBatch:
             attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             n_targets=self.n_targets, n_tokens=self.n_tokens, indices=self.indices,
-            position_ids=None if self.position_ids is None else self.position_ids.to(device, non_blocking=non_blocking))
+            position_ids=None if self.position_ids is None else self.position_ids.to(device, non_blocking=non_blocking),
+            n_pairs=self.n_pairs)
 
     def pin_memory(self) -> MicroBatch:
         """A copy in pinned (page-locked) host memory, so a ``to(cuda, non_blocking=True)`` does not wait."""
         return MicroBatch(input_ids=self.input_ids.pin_memory(), attention_mask=self.attention_mask.pin_memory(),
                           labels=self.labels.pin_memory(), n_targets=self.n_targets, n_tokens=self.n_tokens,
                           indices=self.indices,
-                          position_ids=None if self.position_ids is None else self.position_ids.pin_memory())
+                          position_ids=None if self.position_ids is None else self.position_ids.pin_memory(),
+                          n_pairs=self.n_pairs)
 
     def model_inputs(self) -> dict[str, Any]:
         """``forward_inputs()`` and ``labels`` as keyword arguments for a HF model."""
@@ -90,6 +103,11 @@ class ImageBatch:
 
     def __len__(self) -> int:
         return int(self.pixel_values.shape[0])
+
+    @property
+    def loss_units(self) -> int:
+        """What a step's loss is a mean over: its images."""
+        return self.n_targets
 
     def to(self, device, non_blocking: bool = False) -> ImageBatch:
         """A copy with the tensors on ``device``."""
@@ -138,6 +156,15 @@ def collate(examples: list[dict], pad_token_id: int, task: str,
         raise DataError(f"task: {task!r} is not supported; allowed: {', '.join(TASKS)}")
     if task == IMAGE_CLASSIFICATION:
         return collate_images(examples, indices)
+    n_pairs = 0
+    if any(PREF_KEY in ex for ex in examples):
+        if task != CAUSAL_LM or not all(PREF_KEY in ex and "labels" in ex for ex in examples):
+            raise DataError("collate: preference examples need 'input_ids'/'labels' (prompt + chosen) and "
+                            f"'{PREF_KEY}'/'rejected_labels' (prompt + rejected) in every example of a batch")
+        # one forward for both answers: the chosen rows, then the rejected rows in the same order
+        n_pairs = len(examples)
+        examples = list(examples) + [{"input_ids": ex[PREF_KEY], "labels": ex["rejected_labels"]}
+                                     for ex in examples]
     seqs = [ex["input_ids"] for ex in examples]
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     width = int(lengths.max())
@@ -175,7 +202,7 @@ def collate(examples: list[dict], pad_token_id: int, task: str,
         n_targets = len(examples)
     return MicroBatch(input_ids=input_ids, attention_mask=mask.long(), labels=labels,
                       n_targets=n_targets, n_tokens=int(lengths.sum()), indices=tuple(indices),
-                      position_ids=position_ids)
+                      position_ids=position_ids, n_pairs=n_pairs)
 
 
 def steps_per_epoch(n_examples: int, micro_batch_size: int, grad_accum_steps: int) -> int:

@@ -31,6 +31,12 @@ class StepRecord:
     step_time_s: float
     tokens_per_s: float
     elapsed_s: float
+    # preference objectives (TRL's names; None for objective="lm"): the step's mean implicit rewards of the chosen
+    # and the rejected answers, their mean difference, and the share of pairs whose chosen reward is the larger
+    reward_chosen: Optional[float] = field(default=None, kw_only=True)
+    reward_rejected: Optional[float] = field(default=None, kw_only=True)
+    reward_margin: Optional[float] = field(default=None, kw_only=True)
+    reward_accuracy: Optional[float] = field(default=None, kw_only=True)
     variant: Optional[str] = None  # set by compare(): which variant produced this record
 
     def to_dict(self) -> dict[str, Any]:
