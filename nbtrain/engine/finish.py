@@ -25,7 +25,8 @@ from .telemetry import host_rss_gib
 
 EVAL_FIELDS = ("step", "eval_loss", "eval_tokens", "eval_accuracy", "eval_perplexity")
 # Keys a summary shows only when they have a value (classification has no perplexity, most runs no advice).
-_ONLY_WHEN_SET = ("eval_accuracy", "eval_perplexity", "advice", "variant", "sample_s", "lost_updates_by_step")
+_ONLY_WHEN_SET = ("eval_accuracy", "eval_perplexity", "advice", "variant", "sample_s", "lost_updates_by_step",
+                  "logprob_mismatch", "logprob_mismatch_steps", "reference")
 
 
 @dataclass(eq=False)
@@ -73,6 +74,13 @@ class RunSummary(Mapping):
     model_flops_per_token: Optional[float] = None
     hardware_flops_per_token: Optional[float] = None
     mfu: Optional[float] = None
+    # preference objectives (engine.preference): the mean |log p_run - log p_fp32| per answer token of the policy,
+    # over the sampled steps' batches (how far the run's dtype moves what DPO differences), on how many steps, and
+    # how the DPO reference was held ("adapters off", "frozen copy", "precomputed")
+    objective: str = "lm"
+    logprob_mismatch: Optional[float] = None
+    logprob_mismatch_steps: Optional[int] = None
+    reference: Optional[str] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def _keys(self) -> list[str]:
@@ -173,8 +181,11 @@ def frame(rows: list, columns: tuple[str, ...] | list[str]) -> pd.DataFrame:
 
 def run_eval(st: RunState, step: int) -> None:
     """Evaluate on the held-out examples, keep the record and tell the callbacks."""
-    res = evaluate(st.model, st.data.eval, st.data.task, st.data.pad_token_id, st.cfg.micro_batch_size, st.spec,
-                   st.device, st.chunk_tokens)
+    if st.objective is not None and hasattr(st.objective, "evaluate"):   # a preference objective's own loss
+        res = st.objective.evaluate(st.model, st.data.eval)
+    else:
+        res = evaluate(st.model, st.data.eval, st.data.task, st.data.pad_token_id, st.cfg.micro_batch_size,
+                       st.spec, st.device, st.chunk_tokens)
     if res:
         rec = EvalRecord(step=step, variant=st.variant, **res)
         st.evals.append(rec)
@@ -260,6 +271,7 @@ def summarize(st: RunState, stopped_reason: str, wall: float, underflow,
         # The loop only records the out-of-memory stop; what to change comes from the estimator.
         advice=oom_advice(st.cfg, world_size=st.dist.world) if stopped_reason == "out_of_memory" else None,
         variant=st.variant, world_size=st.dist.world, sample_s=sample_s,
+        **(st.objective.summary() if st.objective is not None else {}),
     )
 
 

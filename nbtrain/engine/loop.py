@@ -25,7 +25,6 @@ from .distributed import grad_norm
 from .doctor import grad_underflow_share
 from .fingerprint import chain_step
 from .finish import TrainResult, finish, run_eval, undo
-from .losses import micro_loss_sum
 from .prepare import RunState, prepare
 from .records import StepRecord
 from .sampling import Sampler
@@ -40,6 +39,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
     stop_event = stop_event or threading.Event()
     st = prepare(cfg, callbacks, variant=variant, hash_init=hash_init)
     cfg, dist, device, optimizer, scaler = st.cfg, st.dist, st.device, st.optimizer, st.scaler
+    objective = st.objective   # the loss of a micro-batch: next-token, or DPO / ORPO / SimPO (engine.preference)
     stopped_reason = "max_steps" if cfg.max_steps is not None else "epochs"
     cb_error: Optional[CallbackError] = None
     step, underflow = st.start_step, None
@@ -70,22 +70,28 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             # The step's loss is normalised by ALL its target tokens (rule 4): counted up front, on the host,
             # from the collated batches, so no micro-batch needs a device read.
             n_targets = sum(mb.n_targets for mb in micro)
+            n_units = sum(mb.loss_units for mb in micro)   # target tokens, or pairs for a preference objective
+            n_pairs = sum(getattr(mb, "n_pairs", 0) for mb in micro)
             n_tokens = sum(mb.n_tokens for mb in micro)
             st.data_hash = chain_step(st.data_hash, micro, st.data.task)
             loss_acc = torch.zeros((), device=device)
+            stats_acc = torch.zeros(objective.n_stats, device=device)   # preference: reward sums; lm: empty
             local = dist.shard(micro, st.data)
             st.host_tensors.begin_step(step)   # CPU run-tensor count on sampled steps only (it costs the loop)
+            objective.begin_step(step)
             with st.rng.active():   # dropout draws from this run's stream only
                 for i, mb in enumerate(local):
                     # Pinned host memory: the copy is queued without waiting for the GPU (a pageable one waits).
                     mb = (mb.pin_memory() if device == "cuda" else mb).to(device, non_blocking=True)
                     with dist.no_sync(st.fwd_model, last=i == len(local) - 1), st.host_tensors.micro():
-                        loss = micro_loss_sum(st.fwd_model, mb, st.data.task, st.spec, device, st.chunk_tokens,
-                                              st.loss_parts, cfg.compile) / n_targets
+                        loss, stats = objective.micro_loss(st.fwd_model, mb)
+                        loss = loss / n_units
                         if mb.n_targets == 0:
-                            loss = loss * 0.0   # a rank left without rows in a short batch still joins the all-reduce
+                            # a rank left without rows in a short batch still joins the all-reduce
+                            loss, stats = loss * 0.0, stats * 0.0
                         scaler.scale(dist.global_sum(loss)).backward()   # scale(): identity when disabled
                     loss_acc += loss.detach()
+                    stats_acc += stats
                     del loss
             # Last micro-batch done: bring gradients back to their true scale before measuring them.
             scaler.unscale_(optimizer)
@@ -95,10 +101,17 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             lr = optimizer.param_groups[0]["lr"]
             st.lost.before(step, lr)   # on sampled steps: the weights before the update, to count what it lost
             dist.all_reduce_sum(loss_acc)   # the step's loss over every rank's tokens
-            # SYNC POINT (one per step): loss and grad norm to the host. A GradScaler step reads found_inf anyway,
-            # and without a scaler we must know finiteness before stepping.
-            loss_v, norm_v = torch.stack([loss_acc.float(), norm.float().to(loss_acc.device)]).tolist()
-            nonfinite = not (math.isfinite(loss_v) and math.isfinite(norm_v))
+            if objective.n_stats:
+                dist.all_reduce_sum(stats_acc)
+            # SYNC POINT (one per step): loss, grad norm (and a preference step's reward sums) to the host. A
+            # GradScaler step reads found_inf anyway, and without a scaler we must know finiteness before stepping.
+            loss_v, norm_v, *stats_v = torch.cat([torch.stack([loss_acc.float(), norm.float().to(loss_acc.device)]),
+                                                  stats_acc]).tolist()
+            # a non-finite reward is a non-finite step (never averaged away), named in the notes
+            nonfinite = not all(math.isfinite(v) for v in (loss_v, norm_v, *stats_v))
+            if nonfinite and stats_v and not all(math.isfinite(v) for v in stats_v) and st.first_nonfinite is None:
+                st.notes.append(f"step {step}: a preference reward was not finite "
+                                f"(sums chosen={stats_v[0]}, rejected={stats_v[1]})")
             if nonfinite and st.first_nonfinite is None:
                 st.first_nonfinite = step
             if st.spec.scaler:
@@ -129,6 +142,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 vram_allocated_gib=alloc, vram_reserved_gib=reserved, vram_peak_gib=peak,
                 host_rss_gib=host_rss_gib(), host_tensors_gib=host_tensors, step_time_s=dt,
                 tokens_per_s=n_tokens / dt if dt > 0 else 0.0, elapsed_s=now - t_start, variant=st.variant,
+                **objective.record_fields(stats_v, n_pairs),
             )
             st.records.append(rec)
             try:

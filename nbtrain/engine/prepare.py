@@ -34,6 +34,7 @@ from .doctor import LostUpdates
 from .fingerprint import weights_hash
 from .losses import ChunkedLossError, micro_loss_sum, split_for_chunked_loss
 from .optimizers import build_optimizer
+from .preference import make_objective
 from .records import EvalRecord, RunInfo, StepRecord
 from .rng import RunRng
 from .telemetry import RunTensorBytes
@@ -80,6 +81,7 @@ class RunState:
     data_hash: bytes = b""
     prev_scale: Optional[float] = None
     first_nonfinite: Optional[int] = None
+    objective: Any = None                 # engine.preference: the loss of each micro-batch (lm, dpo, orpo, simpo)
     # Puts back the process-wide torch flags the run's precision set (closed by finish(), or on an error).
     restore: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -230,6 +232,8 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
         ckpt_dir=Path(cfg.output_dir) / "checkpoints" if cfg.output_dir and (dist.rank == 0 or dist.sharded) else None,
         prev_scale=scaler.get_scale() if spec.scaler else None,
     )
+    # before a resume loads trained weights: a DPO reference is the initial model
+    st.objective = make_objective(st)
     if cfg.resume_from:
         resume(st, cfg.resume_from)
     return st
