@@ -216,31 +216,37 @@ class PreferenceObjective:
         """(sum of the micro-batch's per-pair losses in fp32, sums of its pairs' rewards and right rankings)."""
         st = self.st
         measure, self._first = self._measure and self._first, False
-        sums, counts, tokens = sequence_logps(model, mb, st.spec, st.device, self.parts, keep_tokens=measure)
+        if measure:   # before this step's update: the weights the step's forward used
+            self._measure_mismatch(mb)
+        sums, counts, _ = sequence_logps(model, mb, st.spec, st.device, self.parts)
         ref = self._reference_sums(mb) if self.name == "dpo" else None
         losses, chosen, rejected = pair_losses(self.name, self.beta, self.gamma, sums, counts, ref)
-        if measure:
-            self._measure_mismatch(mb, tokens)
         return losses.sum(), _pair_stats(chosen, rejected)
 
     @torch.no_grad()
-    def _measure_mismatch(self, mb, run_tokens: torch.Tensor) -> None:
-        """|log p_run - log p_fp32| over the answer tokens of this micro-batch, the fp32 forward on the same weights
-        (16-bit weights are lifted to fp32 for it and put back exactly); added up on the device, read at the end."""
+    def _measure_mismatch(self, mb) -> None:
+        """|log p_run - log p_fp32| over the answer tokens of this micro-batch: two forwards without dropout (eval
+        mode: a dropout mask is noise, not the dtype, and drawing one would shift the run's random stream), in the
+        run's precision and in fp32 on the same weights (16-bit weights are lifted to fp32 for it and put back
+        exactly); added up on the device, read at the end."""
         from ..precision import PRECISION_TABLE
 
         st = self.st
         model = st.model
+        was = model.training
+        model.eval()
         low = [p for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32]
         dtypes = [p.dtype for p in low]
-        for p in low:   # bf16 -> fp32 -> bf16 is exact, so the run's weights come back bit for bit
-            p.data = p.data.float()
         try:
-            _, _, ref_tokens = sequence_logps(model, mb, PRECISION_TABLE["fp32"], st.device, self.parts,
-                                              keep_tokens=True)
+            run_tokens = sequence_logps(model, mb, st.spec, st.device, self.parts, keep_tokens=True)[2]
+            for p in low:   # bf16 -> fp32 -> bf16 is exact, so the run's weights come back bit for bit
+                p.data = p.data.float()
+            ref_tokens = sequence_logps(model, mb, PRECISION_TABLE["fp32"], st.device, self.parts,
+                                        keep_tokens=True)[2]
         finally:
             for p, dt in zip(low, dtypes):
                 p.data = p.data.to(dt)
+            model.train(was)
         self._mismatch += torch.stack([(run_tokens - ref_tokens).abs().sum().double(),
                                        torch.tensor(float(run_tokens.numel()), device=run_tokens.device,
                                                     dtype=torch.float64)])
