@@ -11,6 +11,7 @@ from .chat import ensure_chat_tokens, prompt_ids
 from .images import TorchImageProcessor, digits_images, load_image_data
 from .loading import FILE_FORMATS, pack, split_indices
 from .loading import load_data as load_text_data
+from .preference import PREF_FORMATS
 
 
 def load_data(cfg, tokenizer) -> DataBundle:
@@ -23,7 +24,7 @@ def load_data(cfg, tokenizer) -> DataBundle:
 
 
 __all__ = [
-    "BUILTINS", "FILE_FORMATS", "IMAGE_EXTS", "DataBundle", "DataError", "ImageBatch", "MicroBatch",
+    "BUILTINS", "FILE_FORMATS", "IMAGE_EXTS", "PREF_FORMATS", "DataBundle", "DataError", "ImageBatch", "MicroBatch",
     "TorchImageProcessor", "builtin_label_names", "builtin_names", "builtin_rows", "builtin_texts", "collate",
     "digits_images", "ensure_chat_tokens", "epoch_order", "iter_steps", "load_data", "load_image_data", "load_text_data", "pack", "prompt_ids",
     "split_indices", "steps_per_epoch",

@@ -40,6 +40,15 @@ topic key such as ``"assignment"`` to a few pages of plain-text reference docume
     system prompt comes first. Ordered phrasing by phrasing (all topics once, then again), so the first N rows
     cover many topics. About 300 rows; the same list every time.
 
+``builtin:python-docs-pref`` (preference tuning: DPO, ORPO, SimPO; TRL's conversational ``prompt`` / ``chosen`` /
+``rejected``)
+    The rows of ``builtin:python-docs-qa``, in its order: the system prompt and the question are the prompt, the
+    topic's answer is chosen, and the rejected answer is a plausible wrong one: another topic's answer, fluent
+    reference prose that answers a different question. With the T topics in sorted key order, topic t is rejected
+    with the answer of topic (t + T // 2) mod T (the next one after it whose answer differs, should two topics
+    open alike), so every phrasing of a question gets the same rejected answer, the same list every time and in
+    every process, and the rejected answer is never the chosen one.
+
 ``builtin:digits`` (image classification)
     scikit-learn's ``load_digits()``: 1,797 grey 8x8 images of handwritten digits (UCI's optical
     recognition set, 4-bit pixels 0..16) labelled 0-9, shipped inside the scikit-learn package, in its
@@ -87,6 +96,8 @@ BUILTINS: dict[str, str] = {
                           "builtin-types, for sequence classification",
     "python-docs-qa": "questions about Python's reference answered from it (pydoc_data.topics), chat messages "
                       "with a system prompt, for instruction tuning",
+    "python-docs-pref": "the same questions with the right answer chosen and another topic's answer rejected "
+                        "(prompt/chosen/rejected), for preference tuning (dpo, orpo, simpo)",
     "digits": "1,797 handwritten digits, 8x8 grey images labelled 0-9 (scikit-learn's load_digits), for "
               "image classification",
 }
@@ -201,18 +212,52 @@ def _qa_answer(paras: tuple[str, ...]) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _qa() -> tuple[tuple[str, str], ...]:
-    topics = [(k, _qa_subject(k), _qa_answer(p)) for k, p in _topic_paragraphs() if k not in _QA_SKIP and p]
+def _qa_topics() -> tuple[tuple[str, str, str], ...]:
+    """``(key, subject, answer)`` of each topic the QA sets ask about, in sorted key order."""
+    out = []
+    for key, paras in _topic_paragraphs():
+        if key in _QA_SKIP or not paras:
+            continue
+        answer = _qa_answer(paras)
+        if answer:
+            out.append((key, _qa_subject(key), answer))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _qa_rows() -> tuple[tuple[int, str, str], ...]:
+    """``(topic index into _qa_topics(), question, answer)``, phrasing by phrasing."""
     phrasings = ("What does the Python reference say about {s}?", "Explain {s} in Python.",
                  "What is {s}?", "Tell me briefly about {s}.")
     out = []
     for f in phrasings:
-        for key, subject, answer in topics:
-            if not answer:
-                continue
+        for t, (key, subject, answer) in enumerate(_qa_topics()):
             q = f"What does {subject} do?" if f == "What is {s}?" and key in _STATEMENTS else f.format(s=subject)
-            out.append((q, answer))
+            out.append((t, q, answer))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _qa() -> tuple[tuple[str, str], ...]:
+    return tuple((q, a) for _, q, a in _qa_rows())
+
+
+@functools.lru_cache(maxsize=1)
+def _pref() -> tuple[tuple[str, str, str], ...]:
+    """``(question, chosen, rejected)``: each QA row with another topic's answer as the rejected one."""
+    answers = [a for _, _, a in _qa_topics()]
+    n = len(answers)
+    rejected_of = []
+    for t, a in enumerate(answers):
+        # half way round the sorted topics: a fixed, far-off topic; stepping on past one that opens alike keeps
+        # chosen != rejected (there is always one: the answers are not all equal)
+        j = (t + n // 2) % n
+        for _ in range(n):
+            if answers[j].strip() != a.strip():
+                break
+            j = (j + 1) % n
+        rejected_of.append(answers[j])
+    return tuple((q, a, rejected_of[t]) for t, q, a in _qa_rows())
 
 
 def builtin_names() -> list[str]:
@@ -227,13 +272,20 @@ def builtin_texts(name: str) -> list[str]:
         return list(_docs())
     if name == "python-docs-qa":
         return [f"{q}\n{a}" for q, a in _qa()]
+    if name == "python-docs-pref":   # as plain text, a question and its right answer (the QA set's texts)
+        return [f"{q}\n{a}" for q, a, _ in _pref()]
     return [t for t, _ in _topics()]
 
 
 def builtin_rows(name: str) -> list[dict]:
     """A builtin dataset as rows: ``{"text": str}``, plus ``"label": int`` for the labelled one; ``{"messages":
-    [system, user, assistant]}`` for ``python-docs-qa``."""
+    [system, user, assistant]}`` for ``python-docs-qa``; ``{"prompt": [system, user], "chosen": [assistant],
+    "rejected": [assistant]}`` for ``python-docs-pref``."""
     name = _text_name(name)
+    if name == "python-docs-pref":
+        return [{"prompt": [{"role": "system", "content": QA_SYSTEM}, {"role": "user", "content": q}],
+                 "chosen": [{"role": "assistant", "content": c}],
+                 "rejected": [{"role": "assistant", "content": r}]} for q, c, r in _pref()]
     if name == "python-docs-qa":
         return [{"messages": [{"role": "system", "content": QA_SYSTEM}, {"role": "user", "content": q},
                               {"role": "assistant", "content": a}]} for q, a in _qa()]

@@ -285,7 +285,9 @@ def detect_format(column_names: list[str], cfg: TrainConfig, info: dict | None =
                   where: str = "data") -> tuple[str, dict[str, str], dict[str, str]]:
     """``(format, {format column: data column}, sharegpt tags)`` for data with these columns; format "text" means
     the plain-text path. ``cfg.data_format`` names it, else ``dataset_info.json``'s ``formatting``, else the
-    columns decide (messages, conversations, instruction+output, prompt+completion; otherwise text)."""
+    columns decide (messages, conversations, instruction+output, prompt+completion; otherwise text). Rows with
+    chosen and rejected answers give a preference format (``preference.detect``: "preference", "alpaca-ranking",
+    "sharegpt-ranking")."""
     fmt = cfg.data_format
     tags: dict[str, str] = {}
     colmap: dict[str, str] = {}
@@ -300,6 +302,11 @@ def detect_format(column_names: list[str], cfg: TrainConfig, info: dict | None =
     colmap.update(cfg.columns)
     if fmt == "text":
         return "text", colmap, tags
+    from .preference import detect as detect_preference   # preference.py builds on this module
+
+    pref = detect_preference(column_names, cfg, fmt, info, colmap, tags, where)
+    if pref is not None:   # prompt / chosen / rejected rows (preference.py)
+        return pref
     have = set(column_names)
 
     def col(name: str) -> str:

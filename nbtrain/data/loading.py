@@ -14,7 +14,12 @@
   When the Hub cannot be reached it is read from the local datasets cache only, and the error
   says so.
 
-Then, in this order:
+Causal-LM rows in a chat / instruction format (``chat.detect_format``) are read by ``chat.py``, and rows with a
+chosen and a rejected answer (TRL's prompt/chosen/rejected, LLaMA-Factory ranking data) by ``preference.py``;
+``cfg.objective`` and the data must agree (a preference objective needs preference data, and objective "lm"
+refuses it), else a ``DataError`` names the columns found and what is allowed.
+
+Plain text then goes through, in this order:
 
 1. rows whose text is missing, empty or only whitespace are dropped: they are not examples;
 2. for sequence classification, labels become ids: integer labels are used as they are
@@ -45,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import hub
-from . import builtin, chat
+from . import builtin, chat, preference
 from .bundle import IMAGE_EXTS, DataBundle, DataError
 
 if TYPE_CHECKING:
@@ -80,7 +85,7 @@ class _Rows:
     source: str           # for DataBundle.source
     text_column: str
     label_column: str
-    fmt: str = "text"                 # or a chat format (chat.CHAT_FORMATS): then ``records`` holds the rows
+    fmt: str = "text"                 # or a chat / preference format: then ``records`` holds the rows
     records: list[dict] | None = None
     colmap: dict[str, str] | None = None
     tags: dict[str, str] | None = None
@@ -102,6 +107,9 @@ def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
     pad_token_id = _pad_token_id(tokenizer)
 
     rows = _read(cfg)
+    if preference.is_preference(rows.fmt):
+        return preference.load_preference(cfg, tokenizer, rows.parts or [rows], rows.where, rows.source,
+                                          pad_token_id)
     if rows.fmt != "text":
         return _load_chat(cfg, tokenizer, rows, pad_token_id)
     texts, labels, label_names, n_blank = _clean(rows, task)
@@ -324,6 +332,17 @@ def _read(cfg: TrainConfig) -> _Rows:
             raise DataError(f"data: {data!r} holds images, not text; set task='image-classification' (task="
                             f"{cfg.task!r} needs a text dataset such as 'builtin:python-docs')")
         rows = builtin.builtin_rows(name)
+        if cfg.task == CAUSAL_LM:
+            fmt = "preference" if rows and "chosen" in rows[0] else "messages" if rows and "messages" in rows[0] \
+                else "text"
+            preference.check_objective(fmt, list(rows[0]) if rows else [], cfg, f"data {data!r}")
+        if rows and "chosen" in rows[0]:
+            if cfg.task != CAUSAL_LM:
+                raise DataError(f"data: {data!r} is preference data (prompt/chosen/rejected), for task='causal-lm' "
+                                f"with objective='dpo', 'orpo' or 'simpo', not task={cfg.task!r}")
+            return _Rows(texts=[], labels=None, label_names=None, where=f"data {data!r}",
+                         source=builtin.builtin_source(name), text_column="chosen", label_column="label",
+                         fmt="preference", records=rows, colmap={}, tags={})
         if rows and "messages" in rows[0]:
             if cfg.task != CAUSAL_LM:
                 raise DataError(f"data: {data!r} is chat data (messages), for task='causal-lm', not {cfg.task!r}")
@@ -451,7 +470,8 @@ def peek_format(cfg: TrainConfig) -> str | None:
     data = cfg.data.strip()
     if data.startswith("builtin:"):
         rows = builtin.builtin_rows(data[len("builtin:"):])
-        return "messages" if rows and "messages" in rows[0] else "text"
+        return "preference" if rows and "chosen" in rows[0] else "messages" if rows and "messages" in rows[0] \
+            else "text"
     path = Path(data).expanduser()
     if not path.exists():
         return None
@@ -543,16 +563,20 @@ def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
 
     features = ds.features
     columns = list(ds.column_names)
+    if single_text_column and cfg.task == CAUSAL_LM:
+        preference.check_objective("text", None, cfg, where)
     if single_text_column and cfg.data_format not in ("auto", "text"):
         raise DataError(f"{where}: a text file holds plain text, one example per line, not data_format="
                         f"{cfg.data_format!r}; give a json, jsonl, csv or parquet file for chat data")
     if not single_text_column and cfg.task == CAUSAL_LM:
         fmt, colmap, tags = chat.detect_format(columns, cfg, info, where)
+        preference.check_objective(fmt, columns, cfg, where)
         if fmt != "text":
             keep = sorted(set(colmap.values()))
             records = ds.select_columns(keep).to_list()
+            first = (chat.REQUIRED.get(fmt) or preference.PREF_REQUIRED[fmt])[0]
             return _Rows(texts=[], labels=None, label_names=None, where=where, source=source,
-                         text_column=colmap.get(chat.REQUIRED[fmt][0], ""), label_column=cfg.label_column,
+                         text_column=colmap.get(first, ""), label_column=cfg.label_column,
                          fmt=fmt, records=records, colmap=colmap, tags=tags)
     text_col = columns[0] if single_text_column else cfg.text_column
     if text_col not in features:
