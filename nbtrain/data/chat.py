@@ -234,6 +234,19 @@ _LF_COLUMNS = {"alpaca": {"prompt": "instruction", "query": "input", "response":
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                   "bot": "assistant", "chatgpt": "assistant", "system": "system"}
 ROLES = ("system", "user", "assistant")
+# preference data (rows with a chosen and a rejected answer; read by preference.py): TRL's prompt/chosen/rejected
+# and LLaMA-Factory's ranking alpaca and sharegpt; each format's own column names, the required ones first
+PREF_FORMATS = ("preference", "alpaca-ranking", "sharegpt-ranking")
+PREF_COLUMNS: dict[str, tuple[str, ...]] = {
+    "preference": ("chosen", "rejected", "prompt", "system"),
+    "alpaca-ranking": ("instruction", "chosen", "rejected", "input", "system", "history"),
+    "sharegpt-ranking": ("conversations", "chosen", "rejected", "system"),
+}
+PREF_REQUIRED: dict[str, tuple[str, ...]] = {
+    "preference": ("chosen", "rejected"),
+    "alpaca-ranking": ("instruction", "chosen", "rejected"),
+    "sharegpt-ranking": ("conversations", "chosen", "rejected"),
+}
 
 
 def dataset_info(path: Path, entry: str | None = None) -> dict | None:
@@ -286,8 +299,8 @@ def detect_format(column_names: list[str], cfg: TrainConfig, info: dict | None =
     """``(format, {format column: data column}, sharegpt tags)`` for data with these columns; format "text" means
     the plain-text path. ``cfg.data_format`` names it, else ``dataset_info.json``'s ``formatting``, else the
     columns decide (messages, conversations, instruction+output, prompt+completion; otherwise text). Rows with
-    chosen and rejected answers give a preference format (``preference.detect``: "preference", "alpaca-ranking",
-    "sharegpt-ranking")."""
+    chosen and rejected answers give a preference format (``PREF_FORMATS``: "preference", "alpaca-ranking",
+    "sharegpt-ranking"; see ``_detect_preference``)."""
     fmt = cfg.data_format
     tags: dict[str, str] = {}
     colmap: dict[str, str] = {}
@@ -302,10 +315,8 @@ def detect_format(column_names: list[str], cfg: TrainConfig, info: dict | None =
     colmap.update(cfg.columns)
     if fmt == "text":
         return "text", colmap, tags
-    from .preference import detect as detect_preference   # preference.py builds on this module
-
-    pref = detect_preference(column_names, cfg, fmt, info, colmap, tags, where)
-    if pref is not None:   # prompt / chosen / rejected rows (preference.py)
+    pref = _detect_preference(column_names, cfg, fmt, info, colmap, tags, where)
+    if pref is not None:   # prompt / chosen / rejected rows (preference.py reads them)
         return pref
     have = set(column_names)
 
@@ -325,6 +336,58 @@ def detect_format(column_names: list[str], cfg: TrainConfig, info: dict | None =
         raise DataError(f"{where}: data_format {fmt!r} needs column(s) {names}; its columns are "
                         f"{sorted(have)}. Map yours with columns={{'{missing[0]}': '<your column>'}}")
     return fmt, {c: col(c) for c in FORMAT_COLUMNS[fmt] if col(c) in have}, tags
+
+
+def is_preference(fmt: str | None) -> bool:
+    """Whether ``fmt`` (a format ``detect_format`` gives) is preference data."""
+    return fmt in PREF_FORMATS
+
+
+def pref_format_words(pf: str) -> str:
+    """A preference format in words, for messages."""
+    return {"preference": "data_format 'preference' (TRL's prompt/chosen/rejected)",
+            "alpaca-ranking": "LLaMA-Factory's alpaca ranking data",
+            "sharegpt-ranking": "LLaMA-Factory's sharegpt ranking data"}[pf]
+
+
+def _detect_preference(column_names: list[str], cfg: Any, fmt: str, info: dict | None, colmap: dict[str, str],
+                       tags: dict[str, str], where: str) -> tuple[str, dict[str, str], dict[str, str]] | None:
+    """``(preference format, {format column: data column}, tags)`` when rows with these columns are preference
+    data, else None. ``fmt`` is the format named or taken from ``dataset_info.json`` ("auto" when neither): a named
+    alpaca / sharegpt is its ranking variant when the entry says ``ranking`` or the rows have both answers; under
+    "auto" both ``chosen`` and ``rejected`` columns make it preference data. ``cfg.objective``, when ``cfg`` has
+    one, breaks a tie: under "lm", rows that also fit a single-answer format are read as that format."""
+    have = set(column_names)
+
+    def col(name: str) -> str:
+        return colmap.get(name, name)
+
+    both = col("chosen") in have and col("rejected") in have
+    lm = getattr(cfg, "objective", None) == "lm"
+
+    def sft_fits(formats: tuple[str, ...]) -> bool:
+        return any(all(col(c) in have for c in REQUIRED[f]) for f in formats)
+
+    ranking = bool(info and info.get("ranking"))
+    if fmt == "preference":
+        pf = "preference"
+    elif fmt in ("alpaca", "sharegpt"):
+        if not (ranking or both) or (lm and not ranking and sft_fits((fmt,))):
+            return None
+        pf = f"{fmt}-ranking"
+    elif fmt == "auto":
+        if not both or (lm and sft_fits(CHAT_FORMATS)):
+            return None
+        pf = ("sharegpt-ranking" if col("conversations") in have else
+              "alpaca-ranking" if col("instruction") in have else "preference")
+    else:
+        return None
+    missing = [c for c in PREF_REQUIRED[pf] if col(c) not in have]
+    if missing:
+        names = ", ".join(f"{c!r}" + (f" (mapped to {col(c)!r})" if col(c) != c else "") for c in missing)
+        raise DataError(f"{where}: {pref_format_words(pf)} needs column(s) {names}; its columns are "
+                        f"{sorted(have)}. Map yours with columns={{'{missing[0]}': '<your column>'}}")
+    return pf, {c: col(c) for c in PREF_COLUMNS[pf] if col(c) in have}, tags
 
 
 def _text(v: Any, row: int, field: str, where: str, allow_empty: bool = False) -> str:
@@ -578,7 +641,8 @@ def pack_chat(examples: list[dict], block_len: int) -> list[dict]:
     return blocks
 
 
-__all__ = ["ALPACA", "CHATML", "CHAT_FORMATS", "LLAMA3", "TEMPLATES", "TEMPLATE_TOKENS", "conversation",
-           "dangling_tail", "dataset_info", "describe_template", "detect_format", "end_of_turn_ids",
-           "ensure_chat_tokens", "missing_chat_tokens", "pack_chat", "prompt_ids", "render", "resolve_template",
-           "target_count", "template_markers", "to_messages", "tokenize_conversations"]
+__all__ = ["ALPACA", "CHATML", "CHAT_FORMATS", "LLAMA3", "PREF_COLUMNS", "PREF_FORMATS", "PREF_REQUIRED", "TEMPLATES",
+           "TEMPLATE_TOKENS", "conversation", "dangling_tail", "dataset_info", "describe_template", "detect_format",
+           "end_of_turn_ids", "ensure_chat_tokens", "is_preference", "missing_chat_tokens", "pack_chat",
+           "pref_format_words", "prompt_ids", "render", "resolve_template", "target_count", "template_markers",
+           "to_messages", "tokenize_conversations"]

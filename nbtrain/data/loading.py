@@ -107,9 +107,9 @@ def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
     pad_token_id = _pad_token_id(tokenizer)
 
     rows = _read(cfg)
-    if preference.is_preference(rows.fmt):
-        return preference.load_preference(cfg, tokenizer, rows.parts or [rows], rows.where, rows.source,
-                                          pad_token_id)
+    if chat.is_preference(rows.fmt):
+        return preference.load_preference(cfg, tokenizer, rows.parts or [rows], rows.source, pad_token_id,
+                                          split_indices)
     if rows.fmt != "text":
         return _load_chat(cfg, tokenizer, rows, pad_token_id)
     texts, labels, label_names, n_blank = _clean(rows, task)
@@ -574,7 +574,7 @@ def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
         if fmt != "text":
             keep = sorted(set(colmap.values()))
             records = ds.select_columns(keep).to_list()
-            first = (chat.REQUIRED.get(fmt) or preference.PREF_REQUIRED[fmt])[0]
+            first = (chat.REQUIRED.get(fmt) or chat.PREF_REQUIRED[fmt])[0]
             return _Rows(texts=[], labels=None, label_names=None, where=where, source=source,
                          text_column=colmap.get(first, ""), label_column=cfg.label_column,
                          fmt=fmt, records=records, colmap=colmap, tags=tags)

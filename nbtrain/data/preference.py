@@ -18,7 +18,8 @@ Formats, named by ``cfg.data_format`` or, under ``"auto"``, detected from the co
 
 A named ``alpaca`` or ``sharegpt`` is its ranking variant when the entry says ``ranking`` or the rows have both
 answers. Under ``objective="lm"`` a row set that also fits a single-answer format (UltraFeedback's ``messages``
-beside ``chosen`` / ``rejected``) is read as that format.
+beside ``chosen`` / ``rejected``) is read as that format. (``chat.detect_format`` tells these formats apart, beside
+the single-answer ones.)
 
 Each pair is tokenized through the chat template, as chat SFT data (``chat.py``): the prompt is the conversation
 rendered up to and including the assistant's generation prompt, and each answer is the text the template writes
@@ -42,7 +43,7 @@ field, before anything is tokenized.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import chat
 from .bundle import DataBundle, DataError
@@ -50,75 +51,12 @@ from .bundle import DataBundle, DataError
 if TYPE_CHECKING:
     from ..config import TrainConfig
 
-PREF_FORMATS = ("preference", "alpaca-ranking", "sharegpt-ranking")
+# the formats, their columns and the detection live in chat.py, beside the SFT formats it tells them from
+PREF_FORMATS, PREF_COLUMNS, PREF_REQUIRED = chat.PREF_FORMATS, chat.PREF_COLUMNS, chat.PREF_REQUIRED
 OBJECTIVES = ("dpo", "orpo", "simpo")   # the preference objectives of TrainConfig.objective
-# each format's own column names (what cfg.columns and dataset_info columns map from); the required ones first
-PREF_COLUMNS: dict[str, tuple[str, ...]] = {
-    "preference": ("chosen", "rejected", "prompt", "system"),
-    "alpaca-ranking": ("instruction", "chosen", "rejected", "input", "system", "history"),
-    "sharegpt-ranking": ("conversations", "chosen", "rejected", "system"),
-}
-PREF_REQUIRED: dict[str, tuple[str, ...]] = {
-    "preference": ("chosen", "rejected"),
-    "alpaca-ranking": ("instruction", "chosen", "rejected"),
-    "sharegpt-ranking": ("conversations", "chosen", "rejected"),
-}
 IGNORE_INDEX = chat.IGNORE_INDEX
 _CHUNK = 1024
 _ANSWER = "\x00nbtrain-answer"   # a stand-in output column, so alpaca's prompt is built by chat.to_messages itself
-
-
-def is_preference(fmt: str | None) -> bool:
-    """Whether ``fmt`` (a format ``detect`` or ``chat.detect_format`` gives) is preference data."""
-    return fmt in PREF_FORMATS
-
-
-# ---------------------------------------------------------------------------------------------
-# detection
-# ---------------------------------------------------------------------------------------------
-def detect(column_names: list[str], cfg: Any, fmt: str, info: dict | None, colmap: dict[str, str],
-           tags: dict[str, str], where: str) -> tuple[str, dict[str, str], dict[str, str]] | None:
-    """``(preference format, {format column: data column}, sharegpt tags)`` when rows with these columns are
-    preference data, else None (``chat.detect_format`` goes on). ``fmt`` is the format named or taken from
-    ``dataset_info.json`` ("auto" when neither); ``colmap`` the columns mapped so far. ``cfg`` needs
-    ``data_format`` and ``columns``; its ``objective``, when it has one, breaks a tie (see the module doc)."""
-    have = set(column_names)
-
-    def col(name: str) -> str:
-        return colmap.get(name, name)
-
-    both = col("chosen") in have and col("rejected") in have
-    lm = getattr(cfg, "objective", None) == "lm"
-
-    def sft_fits(formats: tuple[str, ...]) -> bool:
-        return any(all(col(c) in have for c in chat.REQUIRED[f]) for f in formats)
-
-    ranking = bool(info and info.get("ranking"))
-    if fmt == "preference":
-        pf = "preference"
-    elif fmt in ("alpaca", "sharegpt"):
-        if not (ranking or both) or (lm and not ranking and sft_fits((fmt,))):
-            return None
-        pf = f"{fmt}-ranking"
-    elif fmt == "auto":
-        if not both or (lm and sft_fits(chat.CHAT_FORMATS)):
-            return None
-        pf = ("sharegpt-ranking" if col("conversations") in have else
-              "alpaca-ranking" if col("instruction") in have else "preference")
-    else:
-        return None
-    missing = [c for c in PREF_REQUIRED[pf] if col(c) not in have]
-    if missing:
-        names = ", ".join(f"{c!r}" + (f" (mapped to {col(c)!r})" if col(c) != c else "") for c in missing)
-        raise DataError(f"{where}: {_format_words(pf)} needs column(s) {names}; its columns are {sorted(have)}. "
-                        f"Map yours with columns={{'{missing[0]}': '<your column>'}}")
-    return pf, {c: col(c) for c in PREF_COLUMNS[pf] if col(c) in have}, tags
-
-
-def _format_words(pf: str) -> str:
-    return {"preference": "data_format 'preference' (TRL's prompt/chosen/rejected)",
-            "alpaca-ranking": "LLaMA-Factory's alpaca ranking data",
-            "sharegpt-ranking": "LLaMA-Factory's sharegpt ranking data"}[pf]
 
 
 def check_objective(fmt: str, columns: list[str] | None, cfg: TrainConfig, where: str) -> None:
@@ -126,7 +64,7 @@ def check_objective(fmt: str, columns: list[str] | None, cfg: TrainConfig, where
     rejected answers, or objective "lm" on preference data. ``columns``: the data's (None for plain text lines)."""
     objective = getattr(cfg, "objective", "lm")
     found = "one text per line (a plain text file)" if columns is None else f"columns {sorted(columns)}"
-    if objective != "lm" and not is_preference(fmt):
+    if objective != "lm" and not chat.is_preference(fmt):
         what = "plain text" if fmt == "text" else f"{fmt} data (one answer per row)"
         raise DataError(f"{where}: objective={objective!r} needs preference data, a prompt with a chosen and a "
                         f"rejected answer; this is {what}, with {found}. Allowed: TRL's prompt/chosen/rejected "
@@ -134,10 +72,10 @@ def check_objective(fmt: str, columns: list[str] | None, cfg: TrainConfig, where
                         "sharegpt conversations/chosen/rejected), or map yours with columns={'prompt': ..., "
                         "'chosen': ..., 'rejected': ...} (AutoTrain's prompt_text_column, text_column, "
                         "rejected_text_column); 'builtin:python-docs-pref' is such data. Or set objective='lm'")
-    if objective == "lm" and is_preference(fmt):
-        raise DataError(f"{where}: this is preference data ({_format_words(fmt)}, {found}): each row has a chosen "
-                        "and a rejected answer, and objective='lm' trains on one answer. Set objective='dpo', "
-                        "'orpo' or 'simpo'; or, for supervised tuning on the chosen answers, give a single-answer "
+    if objective == "lm" and chat.is_preference(fmt):
+        raise DataError(f"{where}: this is preference data ({chat.pref_format_words(fmt)}, {found}): each row "
+                        "has a chosen and a rejected answer, and objective='lm' trains on one answer. Set "
+                        "objective='dpo', 'orpo' or 'simpo'; or, for supervised tuning on the chosen answers, give a single-answer "
                         "format (e.g. data_format='prompt-completion' with columns={'completion': '<chosen column>'})")
 
 
@@ -327,12 +265,11 @@ def _example(prompt: list[int], chosen: list[int], rejected: list[int], max_len:
 # ---------------------------------------------------------------------------------------------
 # the bundle
 # ---------------------------------------------------------------------------------------------
-def load_preference(cfg: TrainConfig, tokenizer, parts: list, where: str, source: str,
-                    pad_token_id: int) -> DataBundle:
+def load_preference(cfg: TrainConfig, tokenizer, parts: list, source: str, pad_token_id: int,
+                    split_indices: Callable[[int, float, int], tuple[list[int], list[int]]]) -> DataBundle:
     """Preference rows (``parts``: the loader's rows of each file or dataset_info entry, with ``fmt``,
-    ``records``, ``colmap``, ``tags``, ``where``) -> checked pairs -> the train / eval split -> tokenized pairs."""
-    from .loading import split_indices
-
+    ``records``, ``colmap``, ``tags``, ``where``) -> checked pairs -> the train / eval split (``split_indices``:
+    the loader's, as for every other kind of data) -> tokenized pairs."""
     for part in parts:
         if not part.records:
             raise DataError(f"{part.where}: no examples (0 rows)")
@@ -369,5 +306,5 @@ def load_preference(cfg: TrainConfig, tokenizer, parts: list, where: str, source
                       label_names=None, source=source, stats=stats, notes=notes)
 
 
-__all__ = ["OBJECTIVES", "PREF_COLUMNS", "PREF_FORMATS", "PREF_REQUIRED", "check_objective", "detect",
-           "is_preference", "load_preference", "to_pair", "tokenize_pairs"]
+__all__ = ["OBJECTIVES", "PREF_COLUMNS", "PREF_FORMATS", "PREF_REQUIRED", "check_objective", "load_preference",
+           "to_pair", "tokenize_pairs"]
