@@ -27,6 +27,16 @@ LLaMA-Factory's ``stage: sft`` (with its ``dataset_info.json`` entry), AutoTrain
 SFTConfig. nbtrain's samples (``sample_prompts``, ``sample_every``, ``max_new_tokens``) have no equivalent in
 any of them: each export names them in its notes.
 
+Preference tuning (issue 38: objective dpo / orpo / simpo, ``mapping.pref_format`` for the data's layout) exports as
+LLaMA-Factory's ``stage: dpo`` with ``pref_loss`` (sigmoid / orpo / simpo), ``pref_beta`` (ORPO's lambda there too),
+``simpo_gamma`` and a ranking ``dataset_info.json`` entry (``"ranking": true``; TRL's prompt/chosen/rejected as
+alpaca rows with ``query: null``); AutoTrain's ``llm-dpo`` (``dpo_beta``) and ``llm-orpo`` with the column mapping
+``prompt_text_column`` / ``text_column`` (chosen) / ``rejected_text_column`` (SimPO has no AutoTrain task: refused);
+and TRL's ``DPOConfig`` (``nbtrain export --to trl-dpo``; ORPO and SimPO as TRL's experimental ORPOConfig and
+CPOConfig, named in the output). All three read back (``pref_fields_from_trl`` for TRL's keywords). What a format
+cannot say (precompute_ref outside TRL, ORPO's lambda in AutoTrain, TRL's fixed column names, how each tool cuts long
+rows) is in the notes; TrainingArguments and trl-sft have no preference loss (a note, and a refusal).
+
 Sharding (issue 28): sharding="fsdp" is TrainingArguments' (and so TRL's) ``fsdp`` + ``fsdp_config`` (FSDP2,
 reshard_after_forward, each decoder layer wrapped, sharded checkpoints), the same keys in LLaMA-Factory's YAML
 (read back, FSDP1 and offload / hybrid options named in the warning), and accelerate's ``distributed_type: FSDP``
@@ -81,10 +91,12 @@ from .mapping import (
     NBTRAIN_ONLY,
     OPTIM_IN,
     OPTIM_NAMES,
+    PREF_FIELDS,
     SAMPLE_FIELDS,
     chat_format,
     export_model,
     hf_scheduler,
+    pref_format,
     write_text,
 )
 from .training_args import (
@@ -94,20 +106,32 @@ from .training_args import (
     training_arguments_kwargs,
     training_arguments_notes,
 )
+from .trl_dpo import (
+    TRL_PREF_CLASSES,
+    TRL_PREF_FIELDS,
+    dpo_config,
+    dpo_config_kwargs,
+    pref_fields_from_trl,
+    trl_pref_class,
+)
 from .trl_sft import TRL_SFT_FIELDS, sft_config, sft_config_kwargs
 
-# the names ``export_text`` (and ``nbtrain export --to``) take
+# the names ``export_text`` (and ``nbtrain export --to``) take for every config
 EXPORT_FORMATS = ("training-args", "trl-sft", "llamafactory", "autotrain", "accelerate-config")
+# the names that export preference tuning only (objective dpo / orpo / simpo; "lm" is refused there)
+PREF_EXPORT_FORMATS = ("trl-dpo",)
 
 __all__ = ["ACCELERATE_FSDP_ENV", "AUTOTRAIN_FIELDS", "CHAT_BUILTINS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY", "OPTIM_IN",
-           "OPTIM_NAMES", "SAMPLE_FIELDS", "TRL_SFT_FIELDS", "accelerate_config", "accelerate_config_notes",
-           "autotrain_config", "chat_format", "export_text",
+           "OPTIM_NAMES", "PREF_EXPORT_FORMATS", "PREF_FIELDS", "SAMPLE_FIELDS", "TRL_PREF_CLASSES",
+           "TRL_PREF_FIELDS", "TRL_SFT_FIELDS", "accelerate_config", "accelerate_config_notes",
+           "autotrain_config", "chat_format", "dpo_config", "dpo_config_json", "dpo_config_kwargs", "export_text",
            "from_autotrain_yaml", "from_llamafactory_yaml", "hf_scheduler", "llamafactory_config",
            "llamafactory_dataset_info", "nbtrain_optimizer_and_scheduler", "peft_and_quant_configs",
+           "pref_fields_from_trl", "pref_format",
            "read_autotrain_yaml", "read_llamafactory_yaml", "sft_config", "sft_config_json", "sft_config_kwargs",
            "to_accelerate_config_yaml", "to_autotrain_yaml", "to_llamafactory_yaml", "to_training_arguments",
            "training_arguments_json", "training_arguments_kwargs",
-           "training_arguments_notes"]
+           "training_arguments_notes", "trl_pref_class"]
 
 
 def training_arguments_json(cfg: TrainConfig) -> dict[str, Any]:
@@ -138,18 +162,35 @@ def sft_config_json(cfg: TrainConfig) -> dict[str, Any]:
     return {"sft_config": kw, **out, "notes": notes}
 
 
+def dpo_config_json(cfg: TrainConfig) -> dict[str, Any]:
+    """TRL's preference config for ``cfg.objective`` (``trl_pref_class``): ``config_class`` and ``trainer_class``
+    (trl.DPOConfig / trl.DPOTrainer for dpo; TRL's experimental ORPOConfig for orpo and CPOConfig for simpo), its
+    keywords under ``dpo_config`` / ``orpo_config`` / ``cpo_config``, ``peft_config`` / ``quantization_config`` when
+    the method uses them, and the ``notes``."""
+    cls, trainer, key = trl_pref_class(cfg)
+    out = training_arguments_json(cfg)
+    kw, notes = dpo_config(cfg)
+    out.pop("training_arguments")
+    out.pop("notes", None)   # dpo_config's notes include them
+    return {"config_class": cls, "trainer_class": trainer, key: kw, **out, "notes": notes}
+
+
 def export_text(cfg: TrainConfig, to: str, path: Optional[str | os.PathLike] = None) -> str:
     """The text of one export by name (the ``nbtrain export`` command): training-args (JSON of the
     TrainingArguments keywords, plus peft_config / quantization_config), trl-sft (the same for TRL's SFTConfig,
-    with notes), llamafactory, autotrain, accelerate-config. Written to ``path`` when given."""
+    with notes), trl-dpo (TRL's DPOConfig, or ORPOConfig / CPOConfig for orpo / simpo: ``dpo_config_json``),
+    llamafactory, autotrain, accelerate-config. Written to ``path`` when given."""
     if to == "training-args":
         return write_text(json.dumps(training_arguments_json(cfg), indent=2, default=str) + "\n", path)
     if to == "trl-sft":
         return write_text(json.dumps(sft_config_json(cfg), indent=2, default=str) + "\n", path)
+    if to == "trl-dpo":
+        return write_text(json.dumps(dpo_config_json(cfg), indent=2, default=str) + "\n", path)
     if to == "llamafactory":
         return to_llamafactory_yaml(cfg, path)
     if to == "autotrain":
         return to_autotrain_yaml(cfg, path)
     if to == "accelerate-config":
         return to_accelerate_config_yaml(cfg, path)
-    raise ValueError(f"--to: {to!r}; choose {', '.join(EXPORT_FORMATS[:-1])} or {EXPORT_FORMATS[-1]}")
+    names = EXPORT_FORMATS + PREF_EXPORT_FORMATS
+    raise ValueError(f"--to: {to!r}; choose {', '.join(names[:-1])} or {names[-1]}")

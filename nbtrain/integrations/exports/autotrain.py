@@ -6,6 +6,12 @@ messages (``column_mapping.text_column``) with ``data.chat_template`` (its names
 ``tokenizer`` = the model's own, nbtrain's ``"auto"``) and trains every token of the result (TRL's SFTTrainer
 on the text): train_on="all". Other layouts and losses are named in the notes.
 
+Preference tuning: objective="dpo" is ``task: llm-dpo`` with ``params.dpo_beta``, "orpo" ``llm-orpo`` (AutoTrain
+passes no beta to TRL's ORPOConfig, so ORPO's lambda is TRL's default 0.1: another pref_beta is named in the notes);
+the column mapping is ``prompt_text_column``, ``text_column`` (the chosen answer) and ``rejected_text_column``;
+``params.max_prompt_length`` is half of block_size. AutoTrain has no SimPO: objective="simpo" is refused (a
+ConfigError naming the formats that have it), as exporting ORPO or DPO instead would train another loss.
+
 Several GPUs: AutoTrain's LLM tasks launch ``accelerate launch --multi_gpu`` (``params.distributed_backend: ddp``,
 also its default) or DeepSpeed ZeRO-3 (``deepspeed``); it has no FSDP. sharding="none" exports as ddp;
 sharding="fsdp" exports as ddp too (every GPU holds the whole model), with a note. ``deepspeed`` reads back as an
@@ -36,6 +42,9 @@ from .mapping import (
     number,
     optimizer_in,
     plain_text_chat_notes,
+    pref_column,
+    pref_format,
+    pref_notes,
     sample_notes,
     scheduler_in,
     stochastic_rounding_notes,
@@ -52,8 +61,14 @@ AUTOTRAIN_FIELDS = (
     "grad_accum_steps", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
     "gradient_checkpointing", "lr", "weight_decay", "scheduler", "warmup_steps", "epochs", "max_grad_norm",
     "log_every", "seed", "output_dir", "data_format", "columns", "chat_template", "train_on", "optimizer",
-    "sharding",
+    "sharding", "objective", "pref_beta",
 )
+# nbtrain's preference objectives as AutoTrain's tasks (its trainers dpo and orpo: TRL's DPOTrainer and ORPOTrainer);
+# AutoTrain has no SimPO
+AT_PREF_TASKS = {"dpo": "llm-dpo", "orpo": "llm-orpo"}
+# TRL's ORPOConfig beta (ORPO's lambda), which AutoTrain's llm-orpo leaves at TRL's default (it passes dpo_beta to
+# DPO only; trl 0.13, AutoTrain's pin)
+AT_ORPO_BETA = 0.1
 # AutoTrain's data.chat_template values (None: plain text) and nbtrain's names for them
 AT_CHAT_TEMPLATES = {"chatml": "chatml", "tokenizer": "auto"}
 AT_ALL_TEMPLATES = ("chatml", "zephyr", "tokenizer")
@@ -65,7 +80,8 @@ _AT_LLM_DEFAULTS = {
     "params.target_modules": "all-linear", "params.peft": False, "params.lora_r": 16, "params.lora_alpha": 32,
     "params.lora_dropout": 0.05, "params.model_max_length": 2048, "params.block_size": -1,
     "params.disable_gradient_checkpointing": False, "params.logging_steps": -1, "project_name": "project-name",
-    "data.column_mapping.text_column": "text", "data.train_split": "train",
+    "data.column_mapping.text_column": "text", "data.train_split": "train", "params.max_prompt_length": 128,
+    "params.dpo_beta": 0.1,
 }
 _AT_CLF_DEFAULTS = {
     "params.lr": 5e-5, "params.epochs": 3, "params.batch_size": 8, "params.warmup_ratio": 0.1,
@@ -82,7 +98,8 @@ _AT_IMG_DEFAULTS = {
     "data.column_mapping.image_column": "image", "data.column_mapping.target_column": "target",
     "data.train_split": "train",
 }
-_AT_LLM_TASKS = ("llm", "llm-sft", "llm-generic", "lm_training", "llm_training", "llm_finetuning")
+_AT_LLM_TASKS = ("llm", "llm-sft", "llm-generic", "lm_training", "llm_training", "llm_finetuning", "llm-dpo",
+                 "llm-orpo")
 # AutoTrain's parser aliases image_classification and image_binary_classification to its multi-class task
 _AT_IMG_TASKS = ("image_classification", "image_multi_class_classification", "image_binary_classification",
                  "image-classification")
@@ -119,6 +136,11 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     <DIR's name>``, the folder of class subfolders AutoTrain reads."""
     llm = cfg.task == "causal-lm"
     image = cfg.task == "image-classification"
+    if cfg.objective == "simpo":
+        raise ConfigError("objective: AutoTrain has no SimPO (its preference tasks are llm-dpo and llm-orpo, a "
+                          "different loss); export it with --to llamafactory (stage dpo, pref_loss simpo) or --to "
+                          "trl-dpo (TRL's CPOConfig, loss_type simpo), or choose objective='dpo' or 'orpo'",
+                          field="objective")
     if not llm and cfg.method != "full":
         kind = "image" if image else "text"
         raise ConfigError(f"method: AutoTrain's {kind} classification fine-tunes the whole model; method="
@@ -168,7 +190,8 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
         notes["data"] = (f"{cfg.data!r} is an nbtrain builtin: write its images to a folder of class subfolders "
                          "for AutoTrain" if image else
                          f"{cfg.data!r} is an nbtrain builtin: write its texts to a csv/jsonl file for AutoTrain")
-    if llm and not cfg.packing:
+    pref = pref_format(cfg) if llm else None
+    if llm and not cfg.packing and not pref:
         notes["packing"] = "AutoTrain packs causal-LM text into block_size blocks (packing=False has no setting)"
     if cfg.eval_fraction:
         notes["eval_fraction"] = (f"eval_fraction={cfg.eval_fraction}: AutoTrain evaluates only on a named "
@@ -185,8 +208,10 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
                                           "and optimizer state; reads back as sharding='none'" if llm else
                                           ": its classification tasks launch DDP on several GPUs"))
     notes.update(non_default_notes(cfg, ("reshard_after_forward",), "has no AutoTrain key (no FSDP there)"))
-    fmt = chat_format(cfg) if llm else None
-    if fmt:
+    fmt = chat_format(cfg) if llm and not pref else None
+    if pref:
+        notes.update(_pref_notes(cfg, pref))
+    elif fmt:
         notes.update(_sft_notes(cfg, fmt))
     elif llm:
         notes.update(plain_text_chat_notes(cfg, "task llm"))
@@ -202,13 +227,17 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
                    {"image_column": cfg.image_column, "target_column": cfg.label_column})
     else:
         path, split = _split_local_file(cfg.data)
-        # llm-sft: the column of messages the chat template renders
-        columns = {"text_column": _messages_column(cfg, fmt) if fmt else cfg.text_column}
+        if pref:   # AutoTrain's names: text_column is the chosen answer
+            columns = {"prompt_text_column": pref_column(cfg, pref, "prompt"),
+                       "text_column": pref_column(cfg, pref, "chosen"),
+                       "rejected_text_column": pref_column(cfg, pref, "rejected")}
+        else:   # llm-sft: the column of messages the chat template renders
+            columns = {"text_column": _messages_column(cfg, fmt) if fmt else cfg.text_column}
     if not llm and not image:
         columns["target_column"] = cfg.label_column
     data: dict[str, Any] = {"path": path, "train_split": split, "valid_split": None}
     if llm:   # None: plain text, as nbtrain reads it
-        data["chat_template"] = ("chatml" if cfg.chat_template == "chatml" else "tokenizer") if fmt else None
+        data["chat_template"] = ("chatml" if cfg.chat_template == "chatml" else "tokenizer") if fmt or pref else None
     data["column_mapping"] = columns
     if cfg.max_steps is not None:
         epochs = math.ceil(cfg.epochs) if cfg.epochs else 1
@@ -220,6 +249,11 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
         params.update(block_size=cfg.max_seq_len, model_max_length=cfg.max_seq_len, padding="right")
     elif not image:
         params["max_seq_length"] = cfg.max_seq_len
+    if pref:
+        # TRL (0.13) cuts the prompt to max_prompt_length, then the answers to the rest of block_size (see the notes)
+        params["max_prompt_length"] = _max_prompt_length(cfg.max_seq_len)
+        if cfg.objective == "dpo":
+            params["dpo_beta"] = cfg.pref_beta
     params.update(epochs=epochs, batch_size=cfg.micro_batch_size, gradient_accumulation=cfg.grad_accum_steps,
                   lr=cfg.lr, optimizer=OPTIM_NAMES[cfg.optimizer], scheduler=hf_scheduler(cfg),
                   warmup_ratio=warmup_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or 0.0,
@@ -237,13 +271,52 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
             disable_gradient_checkpointing=not cfg.gradient_checkpointing,
             # AutoTrain's default; written so the file says how several GPUs run (FSDP: see the notes)
             distributed_backend="ddp")
-    at_task = ("llm-sft" if fmt else "llm") if llm else "image_classification" if image else \
-        "text_multi_class_classification"
+    at_task = (AT_PREF_TASKS[cfg.objective] if pref else "llm-sft" if fmt else "llm") if llm else \
+        "image_classification" if image else "text_multi_class_classification"
     base_model, model_notes = export_model(cfg, "AutoTrain")
     notes.update(model_notes)
     doc = {"task": at_task, "base_model": base_model,
            "project_name": name, "log": "none", "backend": "local", "data": data, "params": params}
     return doc, notes
+
+
+def _max_prompt_length(max_seq_len: int) -> int:
+    return max(1, max_seq_len // 2)
+
+
+def _pref_notes(cfg: TrainConfig, pref: str) -> dict[str, str]:
+    """What AutoTrain's llm-dpo / llm-orpo cannot say of a preference config."""
+    notes = pref_notes(cfg, "AutoTrain")
+    if cfg.objective == "orpo" and cfg.pref_beta != AT_ORPO_BETA:
+        notes["pref_beta"] = (f"pref_beta={cfg.pref_beta} (ORPO's lambda): AutoTrain's llm-orpo runs TRL's ORPOConfig "
+                              f"with its default beta {AT_ORPO_BETA} (dpo_beta is passed to DPO only); not exported")
+    if cfg.precompute_ref:
+        notes["precompute_ref"] = ("precompute_ref=True has no AutoTrain key: TRL's DPOTrainer computes the "
+                                   "reference log-probs at every step, from a frozen copy of the model for a full "
+                                   "fine-tune (more memory than this config's run); not exported")
+    if pref != "preference":
+        notes["data_format"] = (f"data_format={cfg.data_format!r}: AutoTrain reads prompt, chosen and rejected "
+                                f"columns; convert the {pref} ranking rows (prompt_text_column names "
+                                f"{pref_column(cfg, pref, 'prompt')!r} meanwhile)")
+    extra = sorted(set(cfg.columns) - {"prompt", "chosen", "rejected"}) if pref == "preference" else []
+    if extra:
+        notes["columns"] = f"columns {extra}: AutoTrain maps only the prompt, chosen and rejected columns"
+    # keyed without a field: these say how AutoTrain reads the rows, data_format and columns still read back
+    notes["conversational"] = (
+        "AutoTrain's llm-dpo/llm-orpo with a chat template (data.chat_template) read chosen and rejected as whole "
+        "conversations, lists of role/content messages with the prompt's turns first; it takes the prompt from "
+        "chosen's turns before the last (the prompt column must exist but is not used): convert prompt/chosen/"
+        "rejected rows (chosen = the prompt's messages + the chosen answer, rejected likewise)")
+    notes["truncation"] = (
+        f"nbtrain cuts a prompt too long for max_seq_len from its left and keeps both answers whole; AutoTrain (TRL "
+        f"0.13) cuts the prompt to max_prompt_length={_max_prompt_length(cfg.max_seq_len)} (half of block_size, as "
+        "written) and then the answers to the rest; rows that fit are the same")
+    if cfg.chat_template not in ("auto", "chatml"):
+        name = "a Jinja string" if cfg.chat_template not in ("llama3", "alpaca") else repr(cfg.chat_template)
+        notes["chat_template"] = (f"chat_template {name} has no AutoTrain name (None, chatml, zephyr, tokenizer): "
+                                  "exported as tokenizer, the model's own template; set the tokenizer's "
+                                  "chat_template to it where the model's differs")
+    return notes
 
 
 def _messages_column(cfg: TrainConfig, fmt: str) -> str:
@@ -317,12 +390,16 @@ def _read_autotrain(path, overrides):
     if task not in _AT_LLM_TASKS + _AT_CLF_TASKS + _AT_IMG_TASKS:
         r.hard["task"] = (f"task: {task!r} has no nbtrain equivalent (llm, llm-sft, text or image "
                           "classification)")
+    # AutoTrain's parser takes the trainer from the task's suffix (llm-dpo: dpo) over params.trainer
+    trainer = task.split("-", 1)[1] if task.startswith("llm-") else None
     if r.has("params.trainer"):
-        trainer = r.doc["params.trainer"]
-        if llm and trainer in ("default", "sft", "generic"):
+        given = r.doc["params.trainer"]
+        if llm and given in ("default", "sft", "generic", "dpo", "orpo"):
             r.drop("params.trainer")
+            trainer = trainer or given
         else:
-            r.hard["task"] = f"params.trainer: {trainer!r} has no nbtrain equivalent (default or sft)"
+            r.hard["task"] = f"params.trainer: {given!r} has no nbtrain equivalent (default, sft, dpo or orpo)"
+    objective = {"dpo": "dpo", "orpo": "orpo"}.get(trainer) if llm else None
     if r.has("base_model"):
         kw["model"] = str(r.take("base_model"))
     elif "model" not in overrides:
@@ -351,7 +428,9 @@ def _read_autotrain(path, overrides):
     chat = llm and not _none(template)
     if chat:
         _at_template_in(r, str(template))
-    if image:
+    if objective:
+        _pref_in(r, objective, template)
+    elif image:
         kw["image_column"] = str(r.take("data.column_mapping.image_column"))
     elif chat:   # the column holds the messages the template renders
         kw["data_format"] = "messages"
@@ -373,6 +452,8 @@ def _read_autotrain(path, overrides):
         kw["max_seq_len"] = number(block, int) if block is not None and number(block) > 0 else mml
         if r.has("params.padding") and r.doc["params.padding"] == "right":
             r.drop("params.padding")
+        if objective:
+            _pref_lengths_in(r, kw["max_seq_len"], "params.max_prompt_length" in flat)
     elif not image:
         kw["max_seq_len"] = r.take("params.max_seq_length", int)
     kw["micro_batch_size"] = r.take("params.batch_size", int)
@@ -428,6 +509,64 @@ def _read_autotrain(path, overrides):
     else:
         kw["method"] = "full"
     return r.finish(overrides)
+
+
+def _pref_in(r: Reader, objective: str, template) -> None:
+    """llm-dpo / llm-orpo: objective, pref_beta (dpo_beta for DPO; llm-orpo leaves ORPO's lambda at TRL's default)
+    and the column mapping (prompt_text_column, text_column = chosen, rejected_text_column) as data_format
+    "preference" and columns."""
+    kw = r.kw
+    kw["objective"] = objective
+    kw["data_format"] = "preference"
+    if objective == "dpo":
+        kw["pref_beta"] = r.take("params.dpo_beta", float)
+    else:
+        kw["pref_beta"] = AT_ORPO_BETA
+        if r.has("params.dpo_beta"):
+            r.reject("params.dpo_beta", r.doc["params.dpo_beta"], "llm-orpo does not pass dpo_beta on: TRL's "
+                     f"ORPOConfig keeps its beta (ORPO's lambda) at {AT_ORPO_BETA}, which nbtrain's pref_beta took")
+    if _none(template):
+        r.unmapped["data.chat_template"] = template
+        r.why["data.chat_template"] = ("AutoTrain then passes prompt, chosen and rejected as raw text, without a "
+                                       "chat template; nbtrain renders them with the model's (chat_template='auto')")
+    columns = {}
+    for role, key in (("prompt", "prompt_text_column"), ("chosen", "text_column"),
+                      ("rejected", "rejected_text_column")):
+        full = f"data.column_mapping.{key}"
+        if not r.has(full) and role != "chosen":   # AutoTrain renames a missing column and fails
+            r.hard["columns"] = f"{full}: missing (llm-{objective} reads prompt, chosen and rejected columns)"
+            continue
+        name = str(r.take(full))
+        if name != role:
+            columns[role] = name
+    if columns:
+        kw["columns"] = columns
+
+
+def _pref_lengths_in(r: Reader, max_seq_len: int, given: bool) -> None:
+    """max_prompt_length / max_completion_length / model_ref of llm-dpo and llm-orpo: what nbtrain's export writes
+    (half of block_size, none, none) maps; another prompt or answer limit, or a separate reference model, is
+    unmapped."""
+    limit = r.take("params.max_prompt_length", int)
+    if limit != _max_prompt_length(max_seq_len):
+        r.unmapped["params.max_prompt_length"] = limit
+        r.why["params.max_prompt_length"] = (("" if given else "AutoTrain's default; ") + "TRL cuts prompts to it; "
+                                             "nbtrain cuts a prompt only when prompt and answer exceed max_seq_len, "
+                                             "from its left, keeping both answers")
+    if r.has("params.max_completion_length"):
+        v = r.doc["params.max_completion_length"]
+        if _none(v):
+            r.drop("params.max_completion_length")
+        else:
+            r.reject("params.max_completion_length", v, "a limit on each answer; nbtrain keeps answers whole "
+                     "within max_seq_len")
+    if r.has("params.model_ref"):
+        v = r.doc["params.model_ref"]
+        if _none(v) or r.doc.get("params.peft") is True:   # with peft AutoTrain drops model_ref itself
+            r.drop("params.model_ref")
+        else:
+            r.reject("params.model_ref", v, "a separate reference model; nbtrain's reference is the model itself "
+                     "(adapters off, or a frozen copy of the starting weights)")
 
 
 def _backend_in(r: Reader, overrides: dict) -> None:

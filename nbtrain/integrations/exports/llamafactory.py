@@ -16,6 +16,14 @@ sharegpt / messages rows, ``tags``), and ``to_llamafactory_yaml(cfg, path)`` wri
 ``dataset_info.json`` beside the YAML (merged into one already there). The importer reads all of it back.
 ``dataset_entry`` (entries of a data folder's own ``dataset_info.json``) is ``dataset:`` with ``dataset_dir:`` that
 folder; several datasets read back as ``dataset_entry``, one as its file with its format and columns.
+
+Preference tuning (objective dpo / orpo / simpo) is ``stage: dpo`` with ``pref_loss`` sigmoid / orpo / simpo,
+``pref_beta`` (beta; ORPO's lambda) and, for simpo, ``simpo_gamma``; the dataset's entry is a ranking one
+(``"ranking": true``): TRL's prompt/chosen/rejected as alpaca with ``query: null``, alpaca and sharegpt with their
+``chosen`` / ``rejected`` columns. The import reads stage dpo back (pref_loss gives the objective); its keys for what
+nbtrain does not run (pref_ftx, dpo_label_smoothing, ld_alpha, a separate ref_model) are unmapped unless off, and a
+ranking entry outside stage dpo (or a plain one inside) is an error, as LLaMA-Factory refuses both. LLaMA-Factory has
+no precomputed reference (precompute_ref is named in the notes).
 """
 
 from __future__ import annotations
@@ -50,6 +58,10 @@ from .mapping import (
     non_default_notes,
     optimizer_in,
     plain_text_chat_notes,
+    pref_column,
+    pref_format,
+    pref_notes,
+    pref_unknown_columns_note,
     reshard_note,
     sample_notes,
     scheduler_in,
@@ -70,11 +82,15 @@ LLAMAFACTORY_FIELDS = (
     "lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm", "packing",
     "eval_fraction", "eval_every", "log_every", "seed", "output_dir", "save_every",
     "data_format", "columns", "chat_template", "train_on", "optimizer", "sharding", "reshard_after_forward",
-    "dataset_entry",
+    "dataset_entry", "objective", "pref_beta", "simpo_gamma",
 )
+# nbtrain's preference objectives as LLaMA-Factory's stage dpo pref_loss, and back
+PREF_LOSS = {"dpo": "sigmoid", "orpo": "orpo", "simpo": "simpo"}
+PREF_LOSS_IN = {v: k for k, v in PREF_LOSS.items()}
 # nbtrain's template names that are LLaMA-Factory's too (the same prompt layout)
 LF_TEMPLATES = ("chatml", "llama3", "alpaca")
 DATASET_INFO = "dataset_info.json"
+LF_DATASET_DIR = "data"   # LLaMA-Factory's default dataset_dir
 # LLaMA-Factory's and transformers' defaults for the keys nbtrain reads (what the tool runs when a key is absent)
 _LF_DEFAULTS = dict(
     stage="sft", finetuning_type="lora", lora_rank=8, lora_alpha=None, lora_dropout=0.0, lora_target="all",
@@ -84,7 +100,21 @@ _LF_DEFAULTS = dict(
     weight_decay=0.0, seed=42, logging_steps=500, val_size=0.0, eval_strategy="no", save_strategy="steps",
     save_steps=500, output_dir="trainer_output", disable_gradient_checkpointing=False,
     train_on_prompt=False, mask_history=False, neat_packing=False, pure_bf16=False, fp8=False, fp8_backend="auto",
+    pref_loss="sigmoid", pref_beta=0.1, simpo_gamma=0.5,
 )
+# stage dpo's keys for what nbtrain's objectives do not have, at the values that turn them off
+_LF_PREF_OFF = {"pref_ftx": 0.0, "pref_bco_weight": 0.0, "dpo_label_smoothing": 0.0, "ld_alpha": None,
+                "ref_model": None, "ref_model_adapters": None, "ref_model_quantization_bit": None}
+_LF_PREF_WHY = {
+    "pref_ftx": "adds pref_ftx x the SFT loss of the chosen answer to DPO's; nbtrain's dpo has no such term",
+    "pref_bco_weight": "mixes in the BCO loss; nbtrain's dpo has no such term",
+    "dpo_label_smoothing": "cDPO's label smoothing; nbtrain's dpo is the plain sigmoid loss",
+    "ld_alpha": "LD-DPO's down-weighting of the longer answer's verbose tokens; nbtrain's dpo weights every token",
+    "ref_model": "a separate reference model; nbtrain's reference is the model itself (adapters off, or a frozen "
+                 "copy of the starting weights)",
+    "ref_model_adapters": "adapters of a separate reference model; nbtrain's reference is the model itself",
+    "ref_model_quantization_bit": "a quantized separate reference model; nbtrain's reference is the model itself",
+}
 
 
 def llamafactory_config(cfg: TrainConfig, dataset_dir: Optional[str] = None) -> tuple[dict[str, Any], dict[str, str]]:
@@ -122,7 +152,8 @@ def llamafactory_dataset_info(cfg: TrainConfig, dataset_dir: Optional[str] = Non
     the optional alpaca ``system`` and ``history`` columns are written only when cfg.columns names them (a
     name LLaMA-Factory is given must exist in the file). With ``dataset_entry``: those entries of the data folder's
     own ``dataset_info.json``, as they are."""
-    fmt = chat_format(cfg)
+    pref = pref_format(cfg)
+    fmt = pref or chat_format(cfg)
     if fmt is None:
         raise ConfigError(f"data_format: {cfg.data_format!r} on {cfg.data!r} exports as plain text (stage pt), which "
                           "needs no dataset_info formatting; name the format of instruction data", field="data_format")
@@ -137,7 +168,9 @@ def llamafactory_dataset_info(cfg: TrainConfig, dataset_dir: Optional[str] = Non
         entry["file_name"] = f"{_dataset_name(cfg.data)}.jsonl"   # where the builtin's rows are to be written
     else:
         entry["hf_hub_url"] = cfg.data
-    if fmt in ("alpaca", "prompt-completion"):
+    if pref:
+        entry.update(_ranking_entry(cfg, pref))
+    elif fmt in ("alpaca", "prompt-completion"):
         entry["formatting"] = "alpaca"
         if fmt == "alpaca":
             cols = {"prompt": column(cfg, "instruction"), "query": column(cfg, "input"),
@@ -164,6 +197,46 @@ def llamafactory_dataset_info(cfg: TrainConfig, dataset_dir: Optional[str] = Non
     return {_dataset_name(cfg.data): entry}
 
 
+def _ranking_entry(cfg: TrainConfig, pref: str) -> dict[str, Any]:
+    """``formatting`` / ``ranking`` / ``columns`` (/ ``tags``) of a preference dataset's entry: TRL's
+    prompt/chosen/rejected strings are alpaca ranking rows with no input column (``query: null``)."""
+    chosen, rejected = pref_column(cfg, pref, "chosen"), pref_column(cfg, pref, "rejected")
+    if pref == "sharegpt":
+        cols: dict[str, Any] = {"messages": column(cfg, "conversations"), "chosen": chosen, "rejected": rejected}
+        if "system" in cfg.columns:
+            cols["system"] = cfg.columns["system"]
+        tags = dict(role_tag=column(cfg, "from"), content_tag=column(cfg, "value"), user_tag="human",
+                    assistant_tag="gpt", system_tag="system")
+        return {"formatting": "sharegpt", "ranking": True, "columns": cols, "tags": tags}
+    if pref == "alpaca":
+        cols = {"prompt": column(cfg, "instruction"), "query": column(cfg, "input")}
+    else:
+        cols = {"prompt": column(cfg, "prompt"), "query": None}
+    cols.update(chosen=chosen, rejected=rejected)
+    for opt in ("system",) + (("history",) if pref == "alpaca" else ()):
+        if opt in cfg.columns:
+            cols[opt] = cfg.columns[opt]
+    return {"formatting": "alpaca", "ranking": True, "columns": cols}
+
+
+def _pref_lf_notes(cfg: TrainConfig, pref: str) -> dict[str, str]:
+    """What stage dpo cannot say of a preference config."""
+    notes = pref_notes(cfg, "LLaMA-Factory")
+    notes.update(pref_unknown_columns_note(cfg, pref))
+    if cfg.precompute_ref:
+        notes["precompute_ref"] = ("precompute_ref=True has no LLaMA-Factory key: its DPO computes the reference "
+                                   "log-probs at every step, from a frozen copy of the model for a full fine-tune "
+                                   "(more memory than this config's run); not written")
+    if pref == "preference":
+        # keyed without a field: data_format still reads back as 'preference'
+        notes["conversational"] = ("data_format='preference' is written as alpaca ranking rows (prompt, chosen, "
+                                   "rejected strings); TRL's conversational rows (lists of messages, or "
+                                   "chosen/rejected holding the whole conversation) need converting to sharegpt "
+                                   "ranking rows (conversations ending with the user's turn, chosen/rejected one "
+                                   "message each)")
+    return notes
+
+
 def _lf_template(cfg: TrainConfig, model_name: str) -> Optional[str]:
     """LLaMA-Factory's ``template``: nbtrain's named template, or for "auto" the model's own where LLaMA-Factory has
     one by name (smollm2 for SmolLM2); None leaves it unset (LLaMA-Factory parses the tokenizer's)."""
@@ -172,8 +245,8 @@ def _lf_template(cfg: TrainConfig, model_name: str) -> Optional[str]:
     return lf_model_template(model_name) if cfg.chat_template == "auto" else None
 
 
-def _sft_notes(cfg: TrainConfig, fmt: str) -> dict[str, str]:
-    notes = unknown_columns_note(cfg, fmt)
+def _sft_notes(cfg: TrainConfig, fmt: str, template_only: bool = False) -> dict[str, str]:
+    notes = {} if template_only else unknown_columns_note(cfg, fmt)
     # "auto" on a model whose own template LLaMA-Factory names (smollm2) is written as that name: no note
     if cfg.chat_template == "auto" and not lf_model_template(export_model(cfg, "LLaMA-Factory")[0]):
         # keyed "template" (no field): "auto" reads back as "auto", so the round trip still checks chat_template
@@ -198,7 +271,8 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
         notes["precision"] = f"precision='auto' resolved to {precision!r} on this machine"
     if cfg.method != "qlora" and cfg.quant_bits != 4:
         notes["quant_bits"] = f"quant_bits={cfg.quant_bits} is only written for method='qlora'"
-    fmt = chat_format(cfg)
+    pref = pref_format(cfg)
+    fmt = pref or chat_format(cfg)
     if cfg.data.startswith("builtin:"):
         notes["data"] = (f"{cfg.data!r} is an nbtrain builtin: write its rows ({fmt} format) as JSON lines to the "
                          "dataset_info entry's file_name" if fmt else
@@ -211,7 +285,11 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
     notes.update(non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no LLaMA-Factory "
                                                        "key (the same training without it)"))
     notes.update(sample_notes(cfg, "LLaMA-Factory"))
-    notes.update(_sft_notes(cfg, fmt) if fmt else plain_text_chat_notes(cfg, "stage pt"))
+    if pref:
+        notes.update(_pref_lf_notes(cfg, pref))
+        notes.update(_sft_notes(cfg, pref, template_only=True))
+    else:
+        notes.update(_sft_notes(cfg, fmt) if fmt else plain_text_chat_notes(cfg, "stage pt"))
     notes.update(stochastic_rounding_notes(cfg, "LLaMA-Factory"))
     if precision == "fp8":
         # keyed "fp8" (no field): precision reads back as fp8, so the round trip still checks it
@@ -228,10 +306,14 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
     # LLaMA-Factory checkpoints by default; nbtrain only when asked
     model["disable_gradient_checkpointing"] = not cfg.gradient_checkpointing
     # plain text: language modelling on every token (pt); chat data: supervised on the answers (sft)
-    method = dict(stage="sft" if fmt else "pt", do_train=True,
+    method = dict(stage="dpo" if pref else "sft" if fmt else "pt", do_train=True,
                   finetuning_type="full" if cfg.method == "full" else "lora",
                   lora_rank=cfg.lora_r, lora_alpha=intlike(cfg.lora_alpha), lora_dropout=cfg.lora_dropout,
                   lora_target=targets_out(cfg.lora_targets, "all"))
+    if pref:   # pref_beta is DPO's and SimPO's beta and ORPO's lambda in LLaMA-Factory too
+        method.update(pref_loss=PREF_LOSS[cfg.objective], pref_beta=cfg.pref_beta)
+        if cfg.objective == "simpo":
+            method["simpo_gamma"] = cfg.simpo_gamma
     if fmt:
         if cfg.dataset_entry:   # the folder's own dataset_info.json names them: LLaMA-Factory reads it as it is
             dataset: dict[str, Any] = dict(dataset=cfg.dataset_entry, dataset_dir=cfg.data)
@@ -241,7 +323,8 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
         template = _lf_template(cfg, model_name)
         if template:
             dataset["template"] = template
-        dataset.update(train_on_prompt=cfg.train_on == "all", mask_history=cfg.train_on == "last")
+        if not pref:   # stage dpo scores the answers only (train_on does not apply: see the notes)
+            dataset.update(train_on_prompt=cfg.train_on == "all", mask_history=cfg.train_on == "last")
     else:
         dataset = dict(dataset=cfg.dataset_entry or cfg.data)
         if cfg.dataset_entry:
@@ -304,7 +387,7 @@ def to_llamafactory_yaml(cfg: TrainConfig, path=None) -> str:
     For chat data written to a path, the dataset's entry (``llamafactory_dataset_info``) goes into
     ``dataset_info.json`` beside it (merged into one already there) and ``dataset_dir`` names that folder;
     printed, the header says where the entry goes."""
-    fmt = chat_format(cfg)
+    fmt = pref_format(cfg) or chat_format(cfg)
     ddir = str(Path(path).parent) if (fmt and path is not None and not cfg.dataset_entry) else None
     sections, notes = _llamafactory_sections(cfg, ddir)
     header = ["LLaMA-Factory config exported by nbtrain; run: llamafactory-cli train <this file>"]
@@ -314,7 +397,9 @@ def to_llamafactory_yaml(cfg: TrainConfig, path=None) -> str:
     elif fmt:
         info = llamafactory_dataset_info(cfg, sections["dataset"]["dataset_dir"])
         where = Path(sections["dataset"]["dataset_dir"]) / DATASET_INFO
-        header.append(f"{fmt} data: the dataset's entry in {where}" + (" (written beside this file)" if ddir is not
+        what = (f"{fmt} data" if cfg.objective == "lm" else
+                "preference data (alpaca ranking)" if fmt == "preference" else f"{fmt} ranking data")
+        header.append(f"{what}: the dataset's entry in {where}" + (" (written beside this file)" if ddir is not
                       None else "") + f": {json.dumps(info)}")
     else:
         info = ('"%s": {"file_name": "<your file>", "columns": {"prompt": "%s"}}' % (cfg.data, cfg.text_column))
@@ -367,11 +452,14 @@ def _read_llamafactory(path, overrides):
 
     stage = r.take("stage")
     kw["task"] = "causal-lm"
-    if stage not in ("pt", "sft"):
-        r.hard["task"] = (f"stage: {stage!r} has no nbtrain equivalent (nbtrain runs pt, plain causal-lm, and sft, "
-                          "instruction data with the loss on the answers)")
+    if stage not in ("pt", "sft", "dpo"):
+        r.hard["task"] = (f"stage: {stage!r} has no nbtrain equivalent (nbtrain runs pt, plain causal-lm, sft, "
+                          "instruction data with the loss on the answers, and dpo with pref_loss sigmoid, orpo or "
+                          "simpo)")
     if stage == "sft":
         _sft_in(r)
+    elif stage == "dpo":
+        _pref_in(r)
     if r.has("do_train"):
         if r.doc["do_train"] is True:
             r.drop("do_train")
@@ -408,14 +496,18 @@ def _read_llamafactory(path, overrides):
     kw["lora_dropout"] = r.take("lora_dropout", float)
     kw["lora_targets"] = targets_in(r.take("lora_target"), ("all",))
 
+    if stage == "dpo" and not r.has("dataset_dir") and (Path(LF_DATASET_DIR) / DATASET_INFO).is_file():
+        # a preference dataset is one whose entry says "ranking": look it up where LLaMA-Factory does (its default
+        # dataset_dir, relative to where it runs)
+        r.doc["dataset_dir"] = LF_DATASET_DIR
     dataset = r.take("dataset")
     if dataset is None:
         if "data" not in overrides:
             r.hard["data"] = "dataset: missing"
     elif "," in str(dataset):
-        _lf_datasets(r, str(dataset), stage == "sft")
+        _lf_datasets(r, str(dataset), stage in ("sft", "dpo"), stage == "dpo")
     else:
-        kw["data"] = _lf_dataset(r, str(dataset), stage == "sft")
+        kw["data"] = _lf_dataset(r, str(dataset), stage == "sft", stage == "dpo")
     kw["max_seq_len"] = r.take("cutoff_len", int)
     kw["subset"] = r.take("max_samples", int)
     packing = r.take("packing")
@@ -519,6 +611,44 @@ def _sft_in(r: Reader) -> None:
     """template / train_on_prompt / mask_history of stage sft as chat_template and train_on."""
     kw = r.kw
     kw["data_format"] = "auto"   # unless dataset_info.json says (see _lf_format)
+    _template_in(r)
+    prompt, history = bool(r.take("train_on_prompt")), bool(r.take("mask_history"))
+    if prompt and history:   # LLaMA-Factory refuses the pair too
+        r.hard["train_on"] = "train_on_prompt and mask_history are both true (LLaMA-Factory refuses the pair)"
+    kw["train_on"] = "all" if prompt else "last" if history else "completion"
+
+
+def _pref_in(r: Reader) -> None:
+    """Stage dpo's pref_loss / pref_beta / simpo_gamma as objective, pref_beta and simpo_gamma (pref_beta is also
+    ORPO's lambda in both), its template as chat_template; its keys for what nbtrain's objectives lack (an SFT
+    term, label smoothing, a separate reference model) are unmapped unless they are off."""
+    kw = r.kw
+    kw["data_format"] = "auto"   # unless dataset_info.json says (see _lf_ranking)
+    _template_in(r)
+    loss = str(r.take("pref_loss"))
+    if loss in PREF_LOSS_IN:
+        kw["objective"] = PREF_LOSS_IN[loss]
+    else:
+        r.hard["objective"] = (f"pref_loss: {loss!r} has no nbtrain objective (sigmoid is objective='dpo'; orpo "
+                               "and simpo are 'orpo' and 'simpo')")
+    kw["pref_beta"] = r.take("pref_beta", float)
+    kw["simpo_gamma"] = r.take("simpo_gamma", float)
+    for key, off in _LF_PREF_OFF.items():
+        if r.has(key):
+            v = r.doc[key]
+            if v == off or (off is not None and v is not None and r.take(key, float) == off):
+                r.drop(key)
+            else:
+                r.reject(key, v, _LF_PREF_WHY[key])
+    for key in ("train_on_prompt", "mask_history"):
+        if bool(r.take(key)):
+            r.unmapped[key], r.why[key] = True, ("nbtrain's preference objectives score the final answers only "
+                                                 "(train_on does not apply)")
+
+
+def _template_in(r: Reader) -> None:
+    """LLaMA-Factory's template as chat_template (unset: the tokenizer's own, "auto")."""
+    kw = r.kw
     if r.has("template") and r.doc["template"] is not None:
         name = str(r.take("template"))
         model = str(r.doc.get("model_name_or_path", kw.get("model", "")))
@@ -534,15 +664,11 @@ def _sft_in(r: Reader) -> None:
     else:
         r.drop("template")
         kw["chat_template"] = "auto"   # LLaMA-Factory without a template parses the tokenizer's
-    prompt, history = bool(r.take("train_on_prompt")), bool(r.take("mask_history"))
-    if prompt and history:   # LLaMA-Factory refuses the pair too
-        r.hard["train_on"] = "train_on_prompt and mask_history are both true (LLaMA-Factory refuses the pair)"
-    kw["train_on"] = "all" if prompt else "last" if history else "completion"
 
 
-def _lf_dataset(r: Reader, name: str, sft: bool = False) -> str:
-    """A name in ``dataset_dir/dataset_info.json`` becomes its file or Hub id (and text column, or for sft its
-    format and columns), else as-is."""
+def _lf_dataset(r: Reader, name: str, sft: bool = False, ranking: bool = False) -> str:
+    """A name in ``dataset_dir/dataset_info.json`` becomes its file or Hub id (and text column, or for sft and dpo
+    (``ranking``) its format and columns), else as-is."""
     ddir = r.take("dataset_dir")
     if ddir is None:
         return name
@@ -554,7 +680,10 @@ def _lf_dataset(r: Reader, name: str, sft: bool = False) -> str:
     if not isinstance(entry, dict):
         r.unmapped["dataset_dir"], r.why["dataset_dir"] = ddir, f"{name!r} is not in {info_file}"
         return name
-    if sft:
+    _ranking_matches(r, name, entry, ranking)
+    if ranking:
+        _lf_ranking(r, name, entry)
+    elif sft:
         _lf_format(r, name, entry)
     else:
         prompt = (entry.get("columns") or {}).get("prompt")
@@ -566,7 +695,7 @@ def _lf_dataset(r: Reader, name: str, sft: bool = False) -> str:
     return str(entry.get("hf_hub_url") or name)
 
 
-def _lf_datasets(r: Reader, names: str, sft: bool) -> None:
+def _lf_datasets(r: Reader, names: str, sft: bool, ranking: bool = False) -> None:
     """Several sft datasets (``dataset: a,b``) of one ``dataset_dir`` as data= that folder and dataset_entry= the
     names, which nbtrain concatenates in that order, each read with its own entry."""
     ddir = r.doc.get("dataset_dir")
@@ -582,9 +711,58 @@ def _lf_datasets(r: Reader, names: str, sft: bool) -> None:
                           f"entries with a file_name in dataset_dir's {DATASET_INFO}"
                           + ("" if ddir is not None else " (dataset_dir is not set)"))
         return
+    for n in listed:
+        _ranking_matches(r, n, info[n], ranking)
     r.drop("dataset_dir")
     r.kw["data"] = str(ddir)
     r.kw["dataset_entry"] = ",".join(listed)
+
+
+def _ranking_matches(r: Reader, name: str, entry: dict, ranking: bool) -> None:
+    # LLaMA-Factory refuses a ranking dataset outside stage rm/dpo and a plain one inside ("not applicable")
+    if bool(entry.get("ranking")) != ranking:
+        r.hard["data"] = (f"dataset_info[{name!r}]: " + ("stage dpo needs a preference dataset (\"ranking\": true "
+                          "with chosen and rejected columns)" if ranking else "a preference dataset (\"ranking\": "
+                          "true) trains with stage dpo; LLaMA-Factory refuses it in stage sft and pt"))
+
+
+def _lf_ranking(r: Reader, name: str, entry: dict) -> None:
+    """A ranking entry's formatting / columns / tags as data_format and columns: alpaca with no input column
+    (``query: null``) and no system or history is TRL's prompt/chosen/rejected (data_format "preference"); other
+    alpaca rows are "alpaca", sharegpt rows with human / gpt roles "sharegpt"."""
+    where = f"dataset_info[{name!r}]"
+    formatting = str(entry.get("formatting", "alpaca"))
+    cols = entry.get("columns") or {}
+    tags = entry.get("tags") or {}
+    answers = {"chosen": cols.get("chosen", "chosen"), "rejected": cols.get("rejected", "rejected")}
+    if formatting == "alpaca":
+        if "query" in cols and cols["query"] is None and not cols.get("system") and not cols.get("history"):
+            fmt = "preference"
+            names = {"prompt": cols.get("prompt", "instruction"), **answers}
+        else:
+            fmt = "alpaca"
+            names = {"instruction": cols.get("prompt", "instruction"), "input": cols.get("query", "input"),
+                     **answers, "system": cols.get("system"), "history": cols.get("history")}
+    elif formatting == "sharegpt":
+        user, assistant = tags.get("user_tag", "human"), tags.get("assistant_tag", "gpt")
+        if (user, assistant) != ("human", "gpt") or tags.get("system_tag", "system") != "system":
+            r.unmapped[f"{where}.tags"] = tags
+            r.why[f"{where}.tags"] = ("roles %r / %r: nbtrain's sharegpt ranking columns name human / gpt (and a "
+                                      "'system' role); data_format left 'auto', the loader reads the entry's tags"
+                                      % (user, assistant))
+            return
+        fmt = "sharegpt"
+        names = {"conversations": cols.get("messages", "conversations"), **answers,
+                 "from": tags.get("role_tag", "from"), "value": tags.get("content_tag", "value"),
+                 "system": cols.get("system")}
+    else:
+        r.unmapped[f"{where}.formatting"] = formatting
+        r.why[f"{where}.formatting"] = "nbtrain reads alpaca and sharegpt ranking data; data_format left 'auto'"
+        return
+    r.kw["data_format"] = fmt
+    columns = {k: v for k, v in names.items() if v and v != k}
+    if columns:
+        r.kw["columns"] = columns
 
 
 def _lf_format(r: Reader, name: str, entry: dict) -> None:

@@ -291,6 +291,89 @@ def format_unreadable(cfg: TrainConfig) -> bool:
             and _peek(cfg) is None)
 
 
+# -- preference data (objective dpo / orpo / simpo) ----------------------------------------------------------------
+# the TrainConfig fields of preference tuning (each export carries them or names them in its notes)
+PREF_FIELDS = ("objective", "pref_beta", "simpo_gamma", "precompute_ref")
+# the data formats a preference objective reads (cfg.data_format's names: TRL's prompt/chosen/rejected, and
+# LLaMA-Factory's alpaca and sharegpt with "ranking": true) and each one's own column names (cfg.columns keys)
+PREF_FORMATS = ("preference", "alpaca", "sharegpt")
+PREF_COLUMNS = {
+    "preference": ("prompt", "chosen", "rejected", "system"),
+    "alpaca": ("instruction", "input", "chosen", "rejected", "system", "history"),
+    "sharegpt": ("conversations", "chosen", "rejected", "system", "from", "value"),
+}
+# what the data loader calls LLaMA-Factory's ranking layouts (nbtrain.data.preference)
+_RANKING_NAMES = {"alpaca-ranking": "alpaca", "sharegpt-ranking": "sharegpt"}
+
+
+def pref_format(cfg: TrainConfig) -> Optional[str]:
+    """The preference layout an export writes for ``cfg`` ("preference", "alpaca" or "sharegpt"), or None for
+    objective="lm". A named data_format is that layout; under ``"auto"`` it is what a run detects where this machine
+    can tell (a local file's first row, its folder's ``dataset_info.json`` entry), else TRL's prompt/chosen/rejected
+    (what a dataset id of preference pairs usually holds, and nbtrain's builtin:python-docs-pref)."""
+    if cfg.objective == "lm":
+        return None
+    if cfg.data_format in PREF_FORMATS:
+        return cfg.data_format
+    from ...data.bundle import DataError
+    from ...data.loading import peek_format
+
+    # the loader's detection raises on rows it would refuse; the export then falls back to the entry's own
+    # formatting, which is what LLaMA-Factory itself reads
+    try:
+        found = peek_format(cfg)
+    except DataError:
+        found = None
+    found = _RANKING_NAMES.get(found, found)
+    if found in PREF_FORMATS:
+        return found
+    entry = _lf_entry(cfg)
+    if entry is not None and str(entry.get("formatting", "alpaca")) in ("alpaca", "sharegpt"):
+        return str(entry.get("formatting", "alpaca"))
+    return "preference"
+
+
+def _lf_entry(cfg: TrainConfig) -> Optional[dict]:
+    """The LLaMA-Factory dataset_info.json entry a local cfg.data reads with, or None."""
+    from ...data import chat
+    from ...data.bundle import DataError
+
+    path = Path(cfg.data).expanduser()
+    if cfg.data.startswith("builtin:") or not path.exists():
+        return None
+    try:
+        return chat.dataset_info(path, cfg.dataset_entry.split(",")[0] if cfg.dataset_entry else None)
+    except DataError:
+        return None
+
+
+def pref_column(cfg: TrainConfig, fmt: str, role: str) -> str:
+    """The data's column for a preference ``role`` (prompt, chosen, rejected) in layout ``fmt``: the prompt is
+    alpaca's instruction and sharegpt's conversations."""
+    own = {"alpaca": {"prompt": "instruction"}, "sharegpt": {"prompt": "conversations"}}.get(fmt, {})
+    return column(cfg, own.get(role, role))
+
+
+def pref_unknown_columns_note(cfg: TrainConfig, fmt: str) -> dict[str, str]:
+    """A note for cfg.columns keys that are not the preference layout's own names (they would be dropped)."""
+    extra = sorted(set(cfg.columns) - set(PREF_COLUMNS[fmt]))
+    if not extra:
+        return {}
+    return {"columns": f"columns {extra} are not column names of {fmt} preference data "
+                       f"({', '.join(PREF_COLUMNS[fmt])}) and are not written"}
+
+
+def pref_notes(cfg: TrainConfig, tool: str) -> dict[str, str]:
+    """Notes every preference export shares: train_on (the loss is on the final answers only) and simpo_gamma
+    outside simpo, which change nothing and are not written."""
+    notes = non_default_notes(cfg, ("train_on",), f"does not apply to objective={cfg.objective!r} (the "
+                                                  "preference loss scores the final answers only); not written")
+    if cfg.objective != "simpo":
+        notes.update(non_default_notes(cfg, ("simpo_gamma",), f"only applies to objective='simpo'; not written to "
+                                                              f"{tool}"))
+    return notes
+
+
 def column(cfg: TrainConfig, name: str) -> str:
     """The data's column (or message key) for the format's ``name``."""
     return cfg.columns.get(name, name)

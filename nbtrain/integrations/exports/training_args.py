@@ -150,6 +150,11 @@ def training_arguments_notes(cfg: TrainConfig) -> dict[str, str]:
                                            "activation_checkpointing (FSDP's checkpoint wrapper on each layer), with "
                                            "the Trainer's own flag off")
     notes.update(reshard_note(cfg))
+    if cfg.objective != "lm":
+        # keyed by the field: none of the preference fields is in these arguments
+        notes["objective"] = (f"objective={cfg.objective!r} has no TrainingArguments key: the Trainer trains the "
+                              "next-token loss; pref_beta, simpo_gamma and precompute_ref are not written. Use TRL's "
+                              "preference trainers: nbtrain export --to trl-dpo")
     if cfg.stochastic_rounding:
         notes["stochastic_rounding"] = (
             "stochastic_rounding=True has no optim name: the Trainer's AdamW on bf16 weights rounds to nearest "

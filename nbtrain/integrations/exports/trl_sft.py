@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ...config import TrainConfig
+from ...config import ConfigError, TrainConfig
 from ...hardware import resolve_precision
 from .mapping import NBTRAIN_ONLY, chat_format, non_default_notes, sample_notes
 from .training_args import training_arguments_kwargs, training_arguments_notes
@@ -31,7 +31,11 @@ def sft_config_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None, **over
 
 def sft_config(cfg: TrainConfig, output_dir: Optional[str] = None,
                **overrides: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """``(SFTConfig keywords, notes)``; notes name what SFTConfig cannot say (or says differently)."""
+    """``(SFTConfig keywords, notes)``; notes name what SFTConfig cannot say (or says differently). A preference
+    objective is a ConfigError pointing at ``trl_dpo`` (SFTConfig trains on one answer)."""
+    if cfg.objective != "lm":
+        raise ConfigError(f"objective: {cfg.objective!r} is preference tuning, which TRL's SFTConfig does not run; "
+                          "export it with --to trl-dpo (DPOConfig, or ORPOConfig / CPOConfig)", field="objective")
     kw = training_arguments_kwargs(cfg, output_dir)
     precision = resolve_precision(cfg.precision)
     # TRL turns bf16 on unless fp16 is set: an fp32 run must say bf16=False (and so must bf16-pure and fp8: see
