@@ -174,7 +174,9 @@ class TrainConfig(BaseModel):
     # -- instruction tuning (causal LM on chat / instruction data) --------------------------------------------
     data_format: DataFormat = Field("auto", description="how rows are laid out: auto (from the columns), text, "
                                     "alpaca (instruction/input/output), sharegpt (conversations), messages "
-                                    "(role/content) or prompt-completion")
+                                    "(role/content), prompt-completion or preference (prompt/chosen/rejected, for "
+                                    "objective dpo/orpo/simpo; LLaMA-Factory ranking entries and chosen/rejected "
+                                    "columns are detected under auto)")
     columns: dict[str, str] = Field({}, description="the data's own column names for the format's, e.g. "
                                     "{instruction: question, output: answer} (LLaMA-Factory's dataset_info columns); "
                                     "blank = the format's names")

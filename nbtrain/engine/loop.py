@@ -107,11 +107,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             # GradScaler step reads found_inf anyway, and without a scaler we must know finiteness before stepping.
             loss_v, norm_v, *stats_v = torch.cat([torch.stack([loss_acc.float(), norm.float().to(loss_acc.device)]),
                                                   stats_acc]).tolist()
-            # a non-finite reward is a non-finite step (never averaged away), named in the notes
+            # a non-finite reward is a non-finite step (never averaged away); record_fields names it in the notes
             nonfinite = not all(math.isfinite(v) for v in (loss_v, norm_v, *stats_v))
-            if nonfinite and stats_v and not all(math.isfinite(v) for v in stats_v) and st.first_nonfinite is None:
-                st.notes.append(f"step {step}: a preference reward was not finite "
-                                f"(sums chosen={stats_v[0]}, rejected={stats_v[1]})")
             if nonfinite and st.first_nonfinite is None:
                 st.first_nonfinite = step
             if st.spec.scaler:
@@ -142,7 +139,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
                 vram_allocated_gib=alloc, vram_reserved_gib=reserved, vram_peak_gib=peak,
                 host_rss_gib=host_rss_gib(), host_tensors_gib=host_tensors, step_time_s=dt,
                 tokens_per_s=n_tokens / dt if dt > 0 else 0.0, elapsed_s=now - t_start, variant=st.variant,
-                **objective.record_fields(stats_v, n_pairs),
+                **objective.record_fields(stats_v, n_pairs, step),
             )
             st.records.append(rec)
             try:

@@ -60,7 +60,7 @@ class LMObjective:
                               st.cfg.compile)
         return loss, loss.new_zeros(0)
 
-    def record_fields(self, stats: list[float], n_pairs: int) -> dict:
+    def record_fields(self, stats: list[float], n_pairs: int, step: int) -> dict:
         return {}
 
     def summary(self) -> dict:
@@ -145,6 +145,7 @@ class PreferenceObjective:
         self._measure = False
         self._mismatch = torch.zeros(2, device=st.device, dtype=torch.float64)   # (sum |Δ log p|, tokens)
         self._mismatch_steps = 0
+        self._named_nonfinite = False
         if self.name == "dpo":
             self._set_reference()
 
@@ -252,8 +253,13 @@ class PreferenceObjective:
                                                     dtype=torch.float64)])
         self._mismatch_steps += 1
 
-    def record_fields(self, stats: list[float], n_pairs: int) -> dict:
-        """The StepRecord's reward fields from the step's summed stats over its ``n_pairs`` pairs."""
+    def record_fields(self, stats: list[float], n_pairs: int, step: int) -> dict:
+        """The StepRecord's reward fields from the step's summed stats over its ``n_pairs`` pairs; the first step
+        with a non-finite reward is named in the run's notes."""
+        if not self._named_nonfinite and not all(math.isfinite(v) for v in stats[:2]):
+            self._named_nonfinite = True
+            self.st.notes.append(f"step {step}: a preference reward was not finite (sums over the step's pairs: "
+                                 f"chosen {stats[0]}, rejected {stats[1]}); the step counts as non-finite")
         n = max(1, n_pairs)
         chosen, rejected, right = (v / n for v in stats)
         return {"reward_chosen": chosen, "reward_rejected": rejected, "reward_margin": chosen - rejected,

@@ -135,6 +135,7 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
             if added:
                 notes.append(f"chat template {describe_template(tokenizer, cfg)}: added special tokens "
                              f"{', '.join(added)} to the tokenizer; the embeddings grow to {len(tokenizer)} rows")
+        notes.extend(getattr(data, "notes", None) or [])   # e.g. preference prompts cut from the left
         if data.stats.get("packed_attention"):   # which way packed chat examples were kept apart (issue 26.5)
             notes.append(f"packing: {data.stats['packed_attention']}")
         if data.stats.get("truncated_examples") or data.stats.get("dropped_no_answer"):
