@@ -1,6 +1,7 @@
 """Advice: the concrete changes that make a step fit, following the out-of-memory flow.
 
-(1) lower micro_batch_size and raise grad_accum_steps to keep the effective batch, (2) enable lean_layers
+(0) DPO on a full fine-tune: precompute_ref instead of a frozen reference copy, (1) lower micro_batch_size and
+raise grad_accum_steps to keep the effective batch, (2) enable lean_layers
 (Llama-style layers) and gradient checkpointing, (3) shard with FSDP over the fewest processes that make it fit
 (the run's numbers unchanged; it needs that many GPUs), (4) the chunked loss (causal LM; not under fsdp), (5) switch
 full -> LoRA -> QLoRA, (6) shorten max_seq_len. A step is taken only when it lowers the estimate. Each item is cumulative: its ``change``
@@ -15,6 +16,7 @@ from typing import Any, Optional
 from ..config import ConfigError, TrainConfig
 from .estimate import Advice, MemoryEstimate, Target, check_estimable, estimate_once, target
 from .sharding import WORLD_SIZES
+from .timeline import reference_copy
 
 # what the out-of-memory advice says when there is no estimate to base it on
 FALLBACK_ADVICE = ("lower micro_batch_size and raise grad_accum_steps, enable gradient_checkpointing, or switch "
@@ -98,6 +100,12 @@ def advise(cfg: TrainConfig, where: Target, world_size: int = 1) -> list[Advice]
         advice.append(Advice(dict(change), desc, est.total_gib, est.fits, world))
         return est.fits
 
+    # 0. DPO on a full fine-tune: the reference log-probs computed once before training instead of a frozen copy
+    # of the model held all run (the same reference, one extra forward pass over the data, no copy)
+    if reference_copy(cfg) and first_fit(
+            [({"precompute_ref": True}, "precompute_ref on (DPO's reference log-probs computed once before "
+                                        "training: no frozen copy of the model)")]):
+        return advice
     # 1. a smaller micro-batch and more accumulation, so the effective batch stays the same
     mb, accum = cfg.micro_batch_size, cfg.grad_accum_steps
     smaller = [d for d in range(mb - 1, 0, -1) if mb % d == 0]

@@ -11,7 +11,7 @@ from ..hardware import Capabilities, capabilities, default_device, resolve_preci
 from ..models import check_lora_targets
 from ..precision import PRECISION_TABLE
 from .facts import NUM_LABELS
-from .report import PART_ROWS, RANK_ROWS, estimate_html, estimate_text
+from .report import PART_ROWS, RANK_ROWS, REFERENCE_ROWS, estimate_html, estimate_text
 from .timeline import step_peak
 
 GIB = 2**30
@@ -84,6 +84,12 @@ class MemoryEstimate:
     # memory per rank; None when none does (or fsdp cannot run this config: ``fsdp_refused`` says why)
     min_world_size: Optional[int] = None
     fsdp_refused: str = ""
+    # objective="dpo", full fine-tune without precompute_ref: the frozen reference copy of the model, every
+    # parameter in the trained weights' dtype (no gradients, no optimizer state), held all run and counted in the
+    # total. 0 otherwise: LoRA/QLoRA's reference is the model with its adapters off, precompute_ref keeps log-probs
+    # only, ORPO and SimPO have none (``notes`` says which).
+    reference_weights_gib: float = 0.0
+    reference_weights_bytes: int = 0
 
     def table(self):
         """The parts as a DataFrame (part, GiB); the total is the step's peak, not their sum."""
@@ -92,6 +98,8 @@ class MemoryEstimate:
         rows = [(name, getattr(self, attr)) for name, attr in PART_ROWS]
         # several processes: FSDP's gathered groups, DDP's buckets, before the overhead when there are some
         rows[-2:-2] = [(name, getattr(self, attr)) for name, attr in RANK_ROWS if getattr(self, attr)]
+        # DPO's frozen reference copy, after the optimizer state (the parts held all run), when there is one
+        rows[3:3] = [(name, getattr(self, attr)) for name, attr in REFERENCE_ROWS if getattr(self, attr)]
         return pd.DataFrame(rows, columns=["part", "GiB"])
 
     def versus(self, measured_peak_gib: float | Any) -> dict[str, float]:
@@ -173,9 +181,13 @@ def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device
                               "gradients before their fp32 reduce-scatter)")
     if getattr(p, "buckets", 0):
         dtypes["ddp buckets"] = DTYPE_NAMES[p.param_bytes]
+    reference = getattr(p, "reference", 0)
+    if reference:
+        dtypes["reference weights"] = f"{DTYPE_NAMES[p.param_bytes]} (frozen copy: no gradients, no optimizer state)"
     return MemoryEstimate(
         world_size=int(world_size), sharding=cfg.sharding, gathered_gib=getattr(p, "gathered", 0) / GIB,
         buckets_gib=getattr(p, "buckets", 0) / GIB,
+        reference_weights_gib=reference / GIB, reference_weights_bytes=reference,
         master_weights_gib=p.master_weights / GIB, master_weights_bytes=p.master_weights, optimizer=cfg.optimizer,
         weights_dtype=DTYPE_NAMES[p.param_bytes], dtypes=dtypes,
         run_tensors_gib=p.run_tensors / GIB,
@@ -225,14 +237,17 @@ def target_fraction(data, max_seq_len: int) -> float:
     rows = getattr(data, "train", data)
     if not rows or max_seq_len < 2:
         return 1.0
-    targets = 0
+    targets = sequences = 0
     for ex in rows:
-        labels = ex.get("labels")
-        if labels is None:
-            targets += max_seq_len - 1
-        else:
-            targets += sum(1 for y in labels[1:max_seq_len] if y != -100)
-    return targets / (len(rows) * (max_seq_len - 1))
+        # a preference example is two rows of the forward: prompt + chosen ("labels"), prompt + rejected
+        for key in ("labels", "rejected_labels") if "rejected_input_ids" in ex else ("labels",):
+            labels = ex.get(key)
+            sequences += 1
+            if labels is None:
+                targets += max_seq_len - 1
+            else:
+                targets += sum(1 for y in labels[1:max_seq_len] if y != -100)
+    return targets / (sequences * (max_seq_len - 1))
 
 
 @dataclass(frozen=True)

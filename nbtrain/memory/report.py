@@ -34,10 +34,14 @@ PART_ROWS = (("weights", "weights_gib"), ("gradients", "gradients_gib"), ("optim
              ("activations", "activations_gib"), ("logits + loss", "logits_gib"), ("overhead", "overhead_gib"),
              ("total (peak)", "total_gib"))
 # the part labels whose dtype the report shows beside them (MemoryEstimate.dtypes, keyed by label)
-DTYPE_PARTS = ("weights", "gradients", "optimizer", "activations", "logits + loss", "gathered", "ddp buckets")
+DTYPE_PARTS = ("weights", "gradients", "optimizer", "activations", "logits + loss", "gathered", "ddp buckets",
+               "reference weights")
 # parts of several processes, shown (before the overhead) only when there is some: FSDP's gathered groups, DDP's
 # gradient buckets
 RANK_ROWS = (("gathered", "gathered_gib"), ("ddp buckets", "buckets_gib"))
+# DPO's frozen reference copy (a full fine-tune without precompute_ref), shown after the optimizer state only when
+# there is one
+REFERENCE_ROWS = (("reference weights", "reference_weights_gib"),)
 
 RED, AMBER, GREEN, GREY = "#c62828", "#ef6c00", "#2e7d32", "#666"
 
@@ -87,11 +91,16 @@ def estimate_report(est: MemoryEstimate) -> EstimateReport:
     if world > 1:
         per_rank = (f", per process of {world} (fsdp: split {world} ways)" if sharding == "fsdp"
                     else f", per process of {world} (DDP: a whole copy each)")
+    objective = getattr(cfg, "objective", "lm")
+    # a preference micro-batch is its pairs' chosen and rejected rows, in one forward
+    objective = (f", {objective}: {2 * cfg.micro_batch_size} rows per forward (chosen + rejected)"
+                 if objective != "lm" else "")
     title = (f"{cfg.model} {cfg.task}, {cfg.method}, {est.precision} ({weights_dtype} weights), {optimizer}, "
              f"micro batch {cfg.micro_batch_size} x accum "
              f"{cfg.grad_accum_steps}, seq {cfg.max_seq_len}"
-             f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}{per_rank}")
+             f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}{objective}{per_rank}")
     rows = [(name, attr) for name, attr in PART_ROWS[:-2]]
+    rows[3:3] = [(name, attr) for name, attr in REFERENCE_ROWS if getattr(est, attr, 0.0)]
     rows += [(name, attr) for name, attr in RANK_ROWS if getattr(est, attr, 0.0)]
     rows.append(PART_ROWS[-2])
     return EstimateReport(

@@ -6,6 +6,8 @@ outside autocast, ``backward()``, then AdamW and ``zero_grad(set_to_none=True)``
 
 Notation: B = micro_batch_size, T = max_seq_len, N = B*T tokens per micro-batch, h = hidden size, V = vocabulary
 (or number of labels), s = autocast bytes (2 under bf16/fp16, 4 under fp32/tf32), C = loss_chunk_tokens.
+A preference objective (dpo, orpo, simpo) runs each pair's chosen and rejected sequences in one forward: its
+micro-batch has 2B rows (``forward_rows``), so N = 2B*T there.
 
 Weights and optimizer state are there all the time; gradients (``set_to_none``) appear during backward, as the
 activations they replace are freed. The peak is the largest phase: inside the last layer's forward, the end of
@@ -46,6 +48,8 @@ class StepPeak:
     gathered: int = 0         # FSDP: the gathered parameters (and unsharded gradients) at the peak's phase
     buckets: int = 0          # DDP: its gradient buckets (a second copy of the gradients, kept for the run)
     gathered_dtype: str = ""  # FSDP: the dtype the parameters are gathered in
+    reference: int = 0        # DPO, full fine-tune: the frozen reference copy's weights (no gradients, no state)
+    reference_forward: int = 0   # DPO: the reference forward's peak (no_grad) beyond what the step holds then
 
 
 @dataclass
@@ -73,6 +77,18 @@ class _Head:
     fused: bool              # the fused chunked path (nbtrain.engine.losses)
     loss_saved: int = 0      # what the loss saves for backward (log_softmax's output and the targets; the fused
                              # path's gradients): the part of ``loss_backward`` a saved-tensor tracer sees
+
+
+def forward_rows(cfg: TrainConfig) -> int:
+    """The rows one micro-batch's forward runs: a preference objective's B pairs are 2B sequences (each pair's
+    chosen, then its rejected), every other objective's B examples are B rows."""
+    return 2 * cfg.micro_batch_size if getattr(cfg, "objective", "lm") != "lm" else cfg.micro_batch_size
+
+
+def reference_copy(cfg: TrainConfig) -> bool:
+    """Whether the run holds a frozen copy of the model as DPO's reference: a full fine-tune without
+    precompute_ref (LoRA/QLoRA use the same model with the adapters off; ORPO and SimPO have no reference)."""
+    return getattr(cfg, "objective", "lm") == "dpo" and not cfg.precompute_ref and cfg.method == "full"
 
 
 def _trace_layers(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], autocast_bytes, device: str,
@@ -108,7 +124,7 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
     the target positions only (``nbtrain.engine.losses``: chunked, or the plain path's selection)."""
     task, method, full = cfg.task, cfg.method, cfg.method == "full"
     h, V = arch.hidden, arch.vocab
-    B, T = cfg.micro_batch_size, cfg.max_seq_len
+    B, T = forward_rows(cfg), cfg.max_seq_len
     N = B * T
     pb = param_bytes                      # the weights' (and, without autocast, the compute) element size
     s = autocast_bytes or pb
@@ -247,6 +263,57 @@ def _gradients_by_position(arch: Architecture, full: bool, adapted: dict[str, in
     return per_layer, head, embedding, other
 
 
+def _reference_parts(cfg: TrainConfig, arch: Architecture, weight_bytes: int, layers: _Layers,
+                     autocast_bytes: Optional[int], act_pb: int, rows: int, target_fraction: Optional[float],
+                     notes: list[str]) -> tuple[int, int]:
+    """A preference objective's reference: (the frozen copy's bytes, held all run; the reference forward's peak
+    beyond what is held: ``no_grad_forward``), and its notes. Both 0 for objective="lm", ORPO and SimPO.
+
+    The copy (DPO, full fine-tune, no precompute_ref) is every parameter in the trained weights' dtype:
+    ``weight_bytes`` (p per parameter; no gradients, no optimizer state)."""
+    objective = getattr(cfg, "objective", "lm")
+    if objective == "lm":
+        return 0, 0
+    B = cfg.micro_batch_size
+    notes.append(f"{objective}: each micro-batch runs its {B} pairs' chosen and rejected sequences in one forward: "
+                 f"activations and logits for {rows} rows of up to {cfg.max_seq_len} tokens")
+    if objective != "dpo":
+        notes.append(f"{objective}: no reference model (no copy, no reference forward)")
+        return 0, 0
+    if cfg.precompute_ref:
+        notes.append("dpo with precompute_ref: no reference copy and no reference forward in the step; the "
+                     "reference log-probs (two floats per pair) are computed in one pass before training")
+        return 0, 0
+    if cfg.method != "full":
+        notes.append(f"dpo with {cfg.method}: the reference is the same model with its adapters off: no copy; its "
+                     "forward (no_grad) is counted")
+    else:
+        notes.append("dpo, full fine-tune: the reference is a frozen copy of the model in the trained weights' "
+                     "dtype, no gradients or optimizer state (reference weights); precompute_ref=True drops it")
+    return (weight_bytes if reference_copy(cfg) else 0), no_grad_forward(arch, layers, autocast_bytes, act_pb, rows,
+                                                                         cfg.max_seq_len, target_fraction)
+
+
+def no_grad_forward(arch: Architecture, layers: _Layers, autocast_bytes: Optional[int], act_pb: int, rows: int,
+                    T: int, target_fraction: Optional[float]) -> int:
+    """The peak of a forward under no_grad to the answer tokens' log-probs, beyond the weights: nothing is saved
+    for backward and each layer's tensors go as the next runs, so at most one layer's (its intermediates,
+    autocast's casts of its weights, its input and output) for the ``rows``, or the head's (nbtrain.engine.
+    preference.sequence_logps: the answer positions' logits, their fp32 copy and cross_entropy's log_softmax,
+    beside the hidden states and autocast's cast of the head)."""
+    h, V = arch.hidden, arch.vocab
+    N = rows * T
+    s = autocast_bytes or act_pb
+    layer_live = (max(layers.per_token) + layers.fwd_extra) * N + max(layers.const) + 2 * act_pb * h * N
+    positions = rows * (T - 1)
+    f = 1.0 if target_fraction is None else min(1.0, max(0.0, float(target_fraction)))
+    n_targets = max(1, round(f * positions))
+    logit_rows = n_targets if n_targets < positions else N   # the answer positions only, when some are not
+    head_live = (logit_rows * V * (s + 4 + (4 if s < 4 else 0)) + act_pb * h * N
+                 + (V * h * autocast_bytes if autocast_bytes else 0))
+    return max(layer_live, head_live)
+
+
 def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = NUM_LABELS,
               target_fraction: Optional[float] = None, world_size: int = 1) -> StepPeak:
     """The parts of one training step of ``cfg`` under ``precision`` on ``device``, and its peak, for one of
@@ -259,7 +326,8 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     notes: list[str] = []
     h, L = arch.hidden, arch.layers
     T = cfg.max_seq_len
-    N = cfg.micro_batch_size * T
+    rows = forward_rows(cfg)
+    N = rows * T
     spec = PRECISION_TABLE.get(precision, PRECISION_TABLE["fp32"])
     # the precision table: autocast's element size (None: no autocast; tf32 keeps fp32 tensors), the weights'
     # (bf16-pure: 2, and no autocast, so no weight copies), and fp8's Float8Linear layers
@@ -313,6 +381,21 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     else:
         kept = [layers.per_token[k] * N + layers.const[k] for k in range(L)]
     acts = sum(kept) + rope_bytes + inputs + head.saved
+    ref_layers = layers
+    if getattr(cfg, "objective", "lm") == "dpo" and not cfg.precompute_ref and cfg.method != "full":
+        # LoRA/QLoRA's reference runs with its adapters off: the base layer's tensors, not the adapters'
+        ref_layers = _trace_layers(cfg.replace(method="full"), arch, {}, autocast_bytes, device, lean, math_seq,
+                                   act_pb, fp8_input_bytes)
+    reference, ref_forward = _reference_parts(cfg, arch, params.weights, ref_layers, autocast_bytes, act_pb, rows,
+                                              target_fraction, notes)
+    mismatch = 0
+    if getattr(cfg, "objective", "lm") != "lm":
+        # summary["logprob_mismatch"] (sampled steps, before the step's first micro-batch, no gradients yet): the
+        # policy's forward in the run's precision, then in fp32 with 16-bit weights lifted to fp32 in place
+        # (bf16-pure: 2 more bytes per parameter while it runs); QLoRA's packed weights are not floating: not lifted
+        fp32_layers = _trace_layers(cfg.replace(method="full"), arch, {}, None, device, lean, math_seq, 4, None)
+        lift = (4 - pb) * (params.total if cfg.method != "qlora" else params.trainable)
+        mismatch = lift + no_grad_forward(arch, fp32_layers, None, 4, rows, T, target_fraction)
 
     # -- the timeline -----------------------------------------------------------------------------------------
     weights, optimizer, grads = params.weights, params.optimizer, params.gradients
@@ -391,6 +474,14 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
         embedding_extra = g_root + fs.grad_transient(fs.root_trainable)
     elif full and embedding_grads:
         embedding_extra = 2 * embedding_grads if arch.tied else (embedding_grads if accum else 0)
+    if ref_forward:
+        # TRL's and LLaMA-Factory's order: the policy's forward first, then the reference's under no_grad while
+        # the policy's saved tensors (and its loss's log_softmax) wait for backward. Run before the policy's
+        # forward it would sit on less; this is the larger of the two orders.
+        phases["reference"] = (earlier_grads + acts + head.loss_saved + cache_only + ref_forward,
+                               "the reference forward (no_grad, the policy's activations held)")
+    if mismatch:
+        phases["mismatch"] = (mismatch, "the log-prob mismatch's fp32 forward (sampled steps)")
     phases["embedding"] = (grads + embedding_extra, "the embedding's backward")
     phases["optimizer"] = (grads, "the optimizer step")
     # DDP (several processes, no sharding): the Reducer keeps a bucket copy of every gradient for the whole run
@@ -417,11 +508,13 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     if fs is not None:   # the last layer's forward (the head's tensors not yet saved), the head's (the root's)
         forward_peak = max(forward_peak, earlier_grads + run_saved - head.saved - head.loss_saved + g_last,
                            earlier_grads + run_saved - head.loss_saved + g_fwd)
-    run_tensors = weights + optimizer + max(forward_peak, grads)
+    # the reference copy is held for the whole run, beside the trained weights (a tensor of the run's own)
+    run_tensors = weights + optimizer + reference + max(forward_peak, grads)
     return StepPeak(weights=weights, gradients=grads, optimizer=optimizer, activations=acts,
-                    logits=head_part, peak=weights + optimizer + top + buckets, phase=where,
+                    logits=head_part, peak=weights + optimizer + reference + top + buckets, phase=where,
                     trainable=params.trainable, total=params.total, notes=notes,
                     master_weights=fs.master_weights if fs is not None else params.master_weights,
                     run_tensors=run_tensors, param_bytes=pb, gathered=gathered_at_peak, buckets=buckets,
+                    reference=reference, reference_forward=ref_forward,
                     gathered_dtype=({2: "bf16" if precision in ("bf16", "bf16-pure", "fp8") else "fp16", 4: "fp32"}
                                     [fs.compute_bytes] if fs is not None else ""))
