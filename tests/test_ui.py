@@ -101,6 +101,10 @@ CHANGES = {
     "max_new_tokens": (32, 32),
     "sharding": ("fsdp", "fsdp"),
     "reshard_after_forward": (False, False),
+    "objective": ("dpo", "dpo"),
+    "pref_beta": ("0.5", 0.5),
+    "simpo_gamma": ("1.5", 1.5),
+    "precompute_ref": (True, True),
 }
 
 
@@ -118,7 +122,8 @@ def test_every_field_has_a_control_and_a_test_case():
 def test_setting_a_control_changes_that_field(field):
     # save_every is only valid with an output_dir (checkpoints go there), stochastic_rounding only with bf16-pure
     # weights: those start from a config that allows them
-    bases = {"save_every": {"output_dir": "/tmp/nbtrain-out"}, "stochastic_rounding": {"precision": "bf16-pure"}}
+    bases = {"save_every": {"output_dir": "/tmp/nbtrain-out"}, "stochastic_rounding": {"precision": "bf16-pure"},
+             "precompute_ref": {"objective": "dpo"}}
     base = TrainConfig(**bases.get(field, {}))
     panel = Panel(base, debounce_s=0)
     value, expected = CHANGES[field]

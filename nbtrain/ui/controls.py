@@ -17,7 +17,7 @@ import re
 import ipywidgets as widgets
 import traitlets
 
-from ..config import OPTIMIZERS, TRACKERS, TrainConfig
+from ..config import OBJECTIVES, OPTIMIZERS, TRACKERS, TrainConfig
 from ..hardware import PRECISIONS
 
 # Sized for JupyterLab's 13 px widget font (about 7 px a character): every description fits its 170 px
@@ -351,13 +351,19 @@ def _with_widget(codec: Codec, make: Callable[[], widgets.Widget]) -> Codec:
 _NONFINITE_DEFAULT = "default"
 
 
+OBJECTIVE_LABELS = {"lm": "LM", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}
+# the beta box's label: pref_beta is DPO's and SimPO's beta, ORPO's lambda (LLaMA-Factory's pref_beta)
+BETA_LABEL = "Beta β"
+ORPO_LAMBDA_LABEL = "Lambda λ (ORPO)"
+
 OPTIMIZER_LABELS = {"adamw": "AdamW", "adamw_8bit": "AdamW 8-bit", "paged_adamw_8bit": "paged AdamW 8-bit",
                     "adafactor": "Adafactor", "sgd": "SGD"}
 
 
 def make_codecs(model_options: list[str], data_options: list[str], precision_disabled: dict,
                 method_disabled: dict, precision_tips: dict, method_tips: dict,
-                optimizer_disabled: Optional[dict] = None, optimizer_tips: Optional[dict] = None) -> dict[str, Codec]:
+                optimizer_disabled: Optional[dict] = None, optimizer_tips: Optional[dict] = None,
+                objective_tips: Optional[dict] = None) -> dict[str, Codec]:
     """A codec for every TrainConfig field, in declaration order. ``*_disabled`` maps an option this machine
     cannot run to the reason (its button is greyed with it), ``*_tips`` an option to its tooltip."""
     return {
@@ -418,7 +424,8 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "data_format": Codec(_dropdown("Data format", [("auto (from the columns)", "auto"), ("plain text", "text"),
                                                        ("alpaca", "alpaca"), ("sharegpt", "sharegpt"),
                                                        ("messages", "messages"),
-                                                       ("prompt-completion", "prompt-completion")])),
+                                                       ("prompt-completion", "prompt-completion"),
+                                                       ("preference pairs", "preference")])),
         "dataset_entry": _with_widget(_optional_str("the folder's only entry"),
                                       _text("Dataset entry", "blank: its only entry")),
         "chat_template": Codec(_combo("Chat template", ["auto", "chatml", "llama3", "alpaca"],
@@ -433,6 +440,11 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "sample_every": _with_widget(_optional_int("sampling at the end only"),
                                      _text("Sample every (steps)", "blank: at the end")),
         "max_new_tokens": _int("max_new_tokens", "Answer length (tokens)"),
+        "objective": Codec(lambda: Choice(OBJECTIVES, labels=OBJECTIVE_LABELS, description="Objective",
+                                          tooltips=objective_tips)),
+        "pref_beta": _float("pref_beta", BETA_LABEL, "0.1"),
+        "simpo_gamma": _float("simpo_gamma", "Gamma γ (SimPO)", "0.5"),
+        "precompute_ref": Codec(_check("Precompute reference")),
         "sharding": Codec(_dropdown("Sharding", [("none (DDP)", "none"), ("fsdp (FSDP2)", "fsdp")],
                                     SHARDING_TIP)),
         "reshard_after_forward": Codec(_check("Reshard after forward")),

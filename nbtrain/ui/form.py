@@ -19,7 +19,8 @@ import ipywidgets as widgets
 from ..config import OPTIMIZERS, ConfigError, TrainConfig
 from ..hardware import PRECISIONS
 from . import render
-from .controls import Choice, Codec, make_codecs, processes_control, yaml_codec
+from .controls import (BETA_LABEL, ORPO_LAMBDA_LABEL, Choice, Codec, make_codecs, processes_control,
+                       yaml_codec)
 
 
 def preset_lr(model: str) -> float:
@@ -68,6 +69,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Accumulation": ("micro_batch_size", "grad_accum_steps", "auto_batch_size"),
     "Method": ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
                "gradient_checkpointing", "lean_layers"),
+    "Objective": ("objective", "pref_beta", "simpo_gamma", "precompute_ref"),
     # under the panel's own "Processes" box (not a TrainConfig field), which comes first on this tab
     "Processes": ("sharding", "reshard_after_forward"),
     "Training": ("lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
@@ -101,6 +103,18 @@ METHOD_HINTS: dict[str, str] = {
     "qlora": "LoRA on a 4/8-bit quantised frozen base (bitsandbytes): the least weight memory",
 }
 
+OBJECTIVE_HINTS: dict[str, str] = {
+    "lm": "the next-token loss on the targets (chat data: on the answers)",
+    "dpo": "DPO: raise the chosen answer's log-prob ratio to a reference model over the rejected one's (beta: how "
+           "far from the reference)",
+    "orpo": "ORPO: the chosen answer's NLL plus lambda times an odds-ratio penalty against the rejected one; no "
+            "reference model",
+    "simpo": "SimPO: the length-normalised log-prob margin of chosen over rejected, beta-scaled, minus gamma; no "
+             "reference model",
+}
+# the builtin with preference pairs the panel offers when a preference objective meets a builtin without them
+PREF_BUILTIN = "builtin:python-docs-pref"
+
 # A model is a directory (or a preset, or a Hub id): a value ending like one of its files is a mistyped path.
 _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
@@ -117,6 +131,44 @@ def rounding_unavailable(precision: str, optimizer: str) -> str:
     if optimizer != "adamw":
         why.append(f"it is built into AdamW's update, so it needs optimizer adamw (now {optimizer})")
     return "; ".join(why)
+
+
+def precompute_unavailable(objective: str, method: str) -> str:
+    """Why the precompute_ref box does not apply ("" when it does): TrainConfig refuses it off DPO; under LoRA/QLoRA
+    the reference is the model with its adapters off, so there is no copy for it to replace."""
+    if objective != "dpo":
+        return f"only DPO has a reference model (now objective {objective})"
+    if method != "full":
+        return (f"with {method} the reference is the model with its adapters off: no copy to replace (it applies "
+                "to method full)")
+    return ""
+
+
+def reference_words(objective: str, method: str, precompute: bool) -> str:
+    """What DPO's reference is with these settings, in words ("" for the objectives without one)."""
+    if objective != "dpo":
+        return ""
+    if method != "full":
+        return "the same model with its adapters off (no copy)"
+    if precompute:
+        return "log-probs computed once before training (no copy of the model)"
+    return "a frozen copy of the model in the weights' dtype (no gradients or optimizer state; precompute_ref drops it)"
+
+
+def missing_pairs(objective: str, data: str) -> str:
+    """Why ``data`` cannot feed ``objective`` ("" when it can, or when it cannot be said cheaply): a builtin
+    without preference pairs (prompt, chosen, rejected) under dpo/orpo/simpo."""
+    name = str(data or "").strip()
+    if objective == "lm" or not name.startswith("builtin:"):
+        return ""
+    try:
+        cols = set(_builtin_columns(name[len("builtin:"):]))
+    except Exception:   # an unknown builtin: the data line says so already
+        return ""
+    if {"chosen", "rejected"} <= cols:
+        return ""
+    return (f"{name} has no preference pairs (prompt, chosen, rejected): objective {objective} needs them; "
+            f"use {PREF_BUILTIN}, or set objective lm")
 
 
 def reshard_unavailable(sharding: str) -> str:
@@ -164,6 +216,14 @@ def _builtin_columns(name: str) -> tuple[str, ...]:
 
     rows = builtin_rows(name)
     return tuple(rows[0]) if rows else ()
+
+
+def _builtin_names() -> tuple[str, ...]:
+    try:
+        from ..data import BUILTINS
+    except Exception:  # the data package failing to import must not take the panel down
+        return ()
+    return tuple(BUILTINS)
 
 
 @functools.lru_cache(maxsize=32)
@@ -265,8 +325,13 @@ def data_format_info(raw: dict, codecs: dict) -> tuple[str, str]:
         if cols is None:   # a plain text file
             fmt = "text"
         else:
-            fmt, _, _ = chat.detect_format(list(cols), SimpleNamespace(data_format=fmt_choice, columns=dict(columns)),
-                                           info)
+            fmt, _, _ = chat.detect_format(list(cols), SimpleNamespace(data_format=fmt_choice, columns=dict(columns),
+                                                                       objective=raw.get("objective", "lm")), info)
+        from ..data.preference import check_objective
+
+        # what a run's data loading refuses: a preference objective on one-answer data, or lm on pairs
+        check_objective(fmt, None if cols is None else list(cols), SimpleNamespace(objective=raw.get("objective", "lm")),
+                        "data")
     except Exception as e:   # a DataError (format named but its columns missing), an unreadable file
         return f"format: {render.esc(e)}", render.RED
     if fmt_choice == "auto":
@@ -277,6 +342,8 @@ def data_format_info(raw: dict, codecs: dict) -> tuple[str, str]:
         return f"format: <b>plain text</b> ({how})", render.GREY
     template = _template_words(str(raw.get("chat_template", "auto")), str(raw.get("model", "")).strip())
     train_on = _TRAIN_ON_WORDS.get(raw.get("train_on"), render.esc(raw.get("train_on")))
+    if fmt == "preference" or fmt.endswith("-ranking"):   # pairs: the objective compares the two answers
+        train_on = f"{render.esc(raw.get('objective', 'lm'))} on the chosen vs the rejected answer (prompt masked)"
     return (f"format: <b>{render.esc(fmt)}</b> ({how}) · chat template: {template} · {train_on}"), render.GREY
 
 
@@ -322,6 +389,12 @@ class Form:
         self.accumulation_info = widgets.HTML()
         self.method_info = widgets.HTML()
         self.optimizer_info = widgets.HTML()
+        self.objective_info = widgets.HTML()
+        # a preference objective on a builtin without pairs: one click puts the builtin with pairs in Data
+        self.pref_data_button = widgets.Button(description=f"Use {PREF_BUILTIN}", layout=widgets.Layout(
+            width="auto", display="none"), tooltip=f"set Data to {PREF_BUILTIN}: the python-docs questions with the "
+                                                     "right answer chosen and another topic's answer rejected")
+        self.pref_data_button.on_click(lambda _b: self.use_preference_data())
         # How many processes a Train launches: the panel's own (a launch setting, not part of the config).
         self.processes = processes_control()
         self.processes_info = widgets.HTML()
@@ -354,7 +427,7 @@ class Form:
                              method_disabled={m: caps.reasons[m] for m in METHOD_HINTS if m in caps.reasons},
                              precision_tips=tips, method_tips=METHOD_HINTS,
                              optimizer_disabled={o: caps.reasons[o] for o in OPTIMIZERS if o in caps.reasons},
-                             optimizer_tips=optimizer_tips)
+                             optimizer_tips=optimizer_tips, objective_tips=OBJECTIVE_HINTS)
         # A field this module has no codec for still gets a (YAML text) control.
         return {name: codecs.get(name) or yaml_codec(name) for name in TrainConfig.model_fields}
 
@@ -369,8 +442,9 @@ class Form:
                             layout=widgets.Layout(align_items="center", flex_flow="row wrap"))
 
     def _build_tabs(self) -> widgets.Tab:
-        extra = {"Model": [self.model_info], "Data": [self.data_info], "Precision": [self.precision_info],
-                 "Accumulation": [self.accumulation_info], "Method": [self.method_info],
+        extra = {"Model": [self.model_info], "Data": [self.data_info, self.pref_data_button],
+                 "Precision": [self.precision_info], "Accumulation": [self.accumulation_info],
+                 "Method": [self.method_info], "Objective": [self.objective_info, self.pref_data_button],
                  "Processes": [self.processes_info]}
         processes_row = widgets.HBox([self.processes, widgets.HTML(render.small(
             "1: train in this kernel; more: Train launches them (torchrun), one per GPU"))],
@@ -488,6 +562,7 @@ class Form:
         raw = {name: w.value for name, w in self.controls.items()}
         self._update_model_info(raw)
         self._update_data_info(raw)
+        self._update_objective_fields(raw)
         self.precision_info.value = render.precision_info_html(self.caps, raw["precision"], PRECISION_HINTS,
                                                                PRECISIONS)
         self.optimizer_info.value = render.optimizer_info_html(self.caps, raw["optimizer"], OPTIMIZER_HINTS,
@@ -640,6 +715,43 @@ class Form:
         self.rows["quant_bits"].layout.display = "" if method == "qlora" else "none"
         self.method_info.value = render.method_info_html(method, METHOD_HINTS.get(method, ""),
                                                          self.caps.reasons.get(method))
+
+    def use_preference_data(self) -> None:
+        """Set Data to the builtin with preference pairs (what the button under a preference objective does)."""
+        self.controls["data"].value = PREF_BUILTIN
+
+    def _update_objective_fields(self, raw: dict) -> None:
+        """beta shows under a preference objective (labelled as ORPO's lambda under orpo), gamma under simpo and
+        precompute_ref under dpo (greyed with why under LoRA/QLoRA); a field that holds a value where it does not
+        apply stays shown, so that the error the config gives can be fixed there. A preference objective on a
+        builtin without pairs is flagged under the data, with a button that sets the builtin with pairs."""
+        objective, method = raw["objective"], raw["method"]
+        pref = objective != "lm"
+        self.rows["pref_beta"].layout.display = "" if pref else "none"
+        self.controls["pref_beta"].description = ORPO_LAMBDA_LABEL if objective == "orpo" else BETA_LABEL
+        self.rows["simpo_gamma"].layout.display = "" if objective == "simpo" else "none"
+        box = self.controls["precompute_ref"]
+        self.rows["precompute_ref"].layout.display = "" if objective == "dpo" or box.value else "none"
+        why = precompute_unavailable(objective, method)
+        box.disabled = bool(why) and not box.value
+        box.tooltip = f"unavailable: {why}" if why else help_text("precompute_ref")
+        line = render.esc(help_text("precompute_ref"))
+        if why:
+            line += f" · <span style='color:{render.AMBER}'>unavailable: {render.esc(why)}</span>"
+        self.help["precompute_ref"].value = render.small(line)
+        text = f"<b>{render.esc(objective)}</b>: {render.esc(OBJECTIVE_HINTS.get(objective, ''))}"
+        ref = reference_words(objective, method, bool(box.value))
+        if ref:
+            text += f" · reference: {render.esc(ref)}"
+        lacking = missing_pairs(objective, raw["data"])
+        offer = bool(lacking) and PREF_BUILTIN[len("builtin:"):] in _builtin_names()
+        if lacking:
+            text += f"<br><span style='color:{render.RED}'>⚠ {render.esc(lacking)}</span>"
+            if "data" not in self._problems:   # a run would refuse the data: Train says so before starting
+                self._problems["data"] = lacking
+                self.data_info.value += "<br>" + render.small(render.esc(lacking), render.RED)
+        self.objective_info.value = render.small(text)
+        self.pref_data_button.layout.display = "" if offer else "none"
 
     def _update_processes(self, raw: dict) -> None:
         """The reshard box applies under fsdp only (greyed with why otherwise, its value kept: TrainConfig accepts

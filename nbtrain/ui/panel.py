@@ -166,6 +166,12 @@ class Panel:
     precision_info = property(lambda self: self.form.precision_info)
     accumulation_info = property(lambda self: self.form.accumulation_info)
     method_info = property(lambda self: self.form.method_info)
+    objective_info = property(lambda self: self.form.objective_info,
+                              doc="under the Objective: what the chosen objective does, DPO's reference, and a "
+                                  "data without preference pairs")
+    pref_data_button = property(lambda self: self.form.pref_data_button,
+                                doc="shown when a preference objective meets a builtin without pairs: sets Data "
+                                    "to builtin:python-docs-pref")
     train_button = property(lambda self: self.runner.train_button)
     stop_button = property(lambda self: self.runner.stop_button)
     compare_button = property(lambda self: self.runner.compare_button)
