@@ -225,6 +225,27 @@ def speed(timings: Sequence[float], reference_timings: Sequence[float],
     return out
 
 
+# The per-step quantities of a preference objective (dpo, orpo, simpo) a variant is judged on beside its loss, each
+# against the reference's seed band of that column, as the loss is; objective="lm" records have none.
+REWARD_COLUMNS = ("reward_margin", "reward_accuracy")
+
+
+@dataclass
+class BandJudgement:
+    """How one per-step quantity of a variant (``column``: "reward_margin", "reward_accuracy") held against the
+    reference's seed band of it, as a verdict judges the loss: the same fields, and the words in ``text``."""
+
+    column: str
+    max_abs_diff: float = math.nan          # max |value - reference value| over the common finite steps
+    within_noise: Optional[bool] = None     # None without a seed band (or no step to judge)
+    leaves_band_at: Optional[int] = None
+    direction: Optional[str] = None         # "lower" | "higher"
+    outside: dict[str, list[int]] = field(default_factory=dict)
+    judged_steps: int = 0
+    nonfinite_at: list[int] = field(default_factory=list)   # steps whose value is NaN/inf: never judged inside
+    text: str = ""
+
+
 @dataclass
 class Verdict:
     """One variant's answer, every number taken from the comparison's own records."""
@@ -250,6 +271,8 @@ class Verdict:
     lost_updates: Optional[float] = None    # share of the sampled weight updates the weights' dtype lost
     lost_updates_text: Optional[str] = None  # the sentence about them (engine.doctor.lost_updates_line), if reported
     seed_wall_s: dict[int, float] = field(default_factory=dict)   # the reference's: what its seed runs took
+    # preference objectives: column in REWARD_COLUMNS -> its judgement against the seed band (empty for "lm")
+    rewards: dict[str, BandJudgement] = field(default_factory=dict)
     parts: list[str] = field(default_factory=list)
 
     @property
@@ -349,8 +372,9 @@ def _steps_text(steps: Sequence[int], most: int = 3) -> str:
     return ("step " if len(steps) == 1 else "steps ") + text
 
 
-def _loss_text(v: "Verdict", judged: pd.Series, band: SeedBand, reference: str) -> str:
-    """The loss headline against the band, and ``v``'s direction / outside / leaves_band_at set from it.
+def _loss_text(v: Any, judged: pd.Series, band: SeedBand, reference: str, label: str = "loss") -> str:
+    """The ``label`` headline against the band (the loss's, or a reward's), and ``v``'s direction / outside /
+    leaves_band_at set from it (``v``: a Verdict, or a BandJudgement).
 
     The headline gives the side most out-of-band steps lie on (a tie goes to the side of the latest one: where
     the run ended up), how many of the judged steps, from which step, and the largest signed difference on that
@@ -363,7 +387,7 @@ def _loss_text(v: "Verdict", judged: pd.Series, band: SeedBand, reference: str) 
     v.judged_steps = len(judged)
     if not v.outside:
         v.within_noise = True
-        return "loss within seed noise at every step"
+        return f"{label} within seed noise at every step"
     v.within_noise = False
     v.leaves_band_at = min(st[0] for st in v.outside.values())
     n_low, n_high = len(sides["lower"]), len(sides["higher"])
@@ -375,7 +399,7 @@ def _loss_text(v: "Verdict", judged: pd.Series, band: SeedBand, reference: str) 
     peak = max(mine, key=lambda k: (abs(judged[k]), -k))
     where = (f"step {mine[0]}: {judged[peak]:+.2g}" if len(mine) == 1
              else f"from step {mine[0]}; largest {judged[peak]:+.2g} at step {peak}")
-    text = f"loss {v.direction} than {reference} beyond seed noise on {len(mine)} of {len(judged)} steps ({where})"
+    text = f"{label} {v.direction} than {reference} beyond seed noise on {len(mine)} of {len(judged)} steps ({where})"
     other_side = "higher" if v.direction == "lower" else "lower"
     other = sides[other_side]
     if other:
@@ -385,13 +409,76 @@ def _loss_text(v: "Verdict", judged: pd.Series, band: SeedBand, reference: str) 
     return text
 
 
+def has_values(history: Any, column: str) -> bool:
+    """Whether ``history`` (a DataFrame or a dict of columns) holds a finite value of ``column`` anywhere."""
+    s = _series(history, column)
+    return bool(np.isfinite(s.to_numpy(dtype=float)).any())
+
+
+def recorded_steps(history: Any, column: str) -> tuple[list[int], list[int]]:
+    """``(steps with a finite value of column, steps whose value is non-finite)`` in ``history``. A non-finite value
+    counts where the step is flagged ``nonfinite`` (the engine's NaN reward) and every other step has a finite one; a
+    missing one (None: objective="lm"; NaN on an unflagged step of a table read back from a file) is in neither."""
+    if history is None or column not in history or "step" not in history:
+        return [], []
+    raw = list(history[column])
+    steps = [int(k) for k in history["step"]]
+    flags = list(history["nonfinite"]) if "nonfinite" in history else [False] * len(raw)
+    finite, bad, complete = [], [], True
+    for k, v, flag in zip(steps, raw, flags):
+        try:
+            x = math.nan if v is None else float(v)
+        except (TypeError, ValueError):
+            x = math.nan
+        if math.isfinite(x):
+            finite.append(k)
+        elif v is not None and bool(flag) and flag == flag:
+            bad.append(k)
+        else:
+            complete = False
+    # A run that records rewards has one on every step: a missing or NaN one on an unflagged step says it has none
+    # (as the figures read it: viz.figures.rewarded).
+    return finite, bad if complete else []
+
+
+def reward_judgement(column: str, name: str, reference: str, history: Any, reference_history: Any,
+                     band: Optional[SeedBand] = None) -> BandJudgement:
+    """``name``'s ``column`` (a reward) per step minus the reference's, held against ``band`` (the reference's seed
+    band of that column) as the loss is; without a band, the largest difference only. Steps whose value is
+    non-finite are named and make it not within noise: a NaN reward is never averaged away or judged inside."""
+    label = column.replace("_", " ")
+    j = BandJudgement(column)
+    diff = differences({reference: reference_history, name: history}, reference, column)[name]
+    finite = diff[np.isfinite(diff)]
+    j.max_abs_diff = float(finite.abs().max()) if len(finite) else math.nan
+    _, j.nonfinite_at = recorded_steps(history, column)
+    judged = diff.reindex(band.width.index).dropna() if band is not None else diff.iloc[:0]
+    texts = []
+    if band is not None and len(judged):
+        texts.append(_loss_text(j, judged, band, reference, label))
+    elif len(finite) and band is not None:
+        texts.append(f"{label}: no step to hold against the seed noise band")
+    elif len(finite):
+        texts.append(f"{label} differs from {reference} by at most {j.max_abs_diff:.2g} (no seed band to judge it)")
+    if j.nonfinite_at:
+        j.within_noise = False
+        where = f"non-finite at {_steps_text(j.nonfinite_at)}"
+        if texts:   # "reward margin within seed noise at every finite step, non-finite at steps 4-5"
+            texts[-1] = texts[-1].replace(" at every step", " at every finite step") + ", " + where
+        else:
+            texts.append(f"{label} {where}")
+    j.text = "; ".join(texts) or f"{label}: no step in common with {reference}"
+    return j
+
+
 def verdict(name: str, reference: str, history: Any, reference_history: Any, summary: Mapping[str, Any],
             *, timings: Sequence[float] = (), reference_timings: Sequence[float] = (),
             band: Optional[SeedBand] = None, eval_history: Any = None,
             reference_eval_history: Any = None, scaler: Optional[bool] = None,
             initial_scale: Optional[float] = None, seed_wall_s: Optional[Mapping[int, float]] = None,
             aa_timings: Sequence[float] = (), lost_updates_text: Optional[str] = None,
-            eval_bands: Optional[Mapping[str, SeedBand]] = None) -> Verdict:
+            eval_bands: Optional[Mapping[str, SeedBand]] = None,
+            reward_bands: Optional[Mapping[str, SeedBand]] = None) -> Verdict:
     """The verdict of one variant that ran, against the reference run (and the seed band when given).
 
     ``initial_scale`` is the loss scale before the first step (the history holds each step's scale after its
@@ -400,7 +487,9 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
     ``lost_updates_text`` (engine.doctor.lost_updates_line of the run, None when too few updates were lost to
     report) is said after the loss: it is why a loss of bf16-pure weights can stand still. ``eval_bands``
     (column -> the band of the reference's seed runs' eval differences) is what an eval difference must exceed to
-    be called better or worse; without one it must exceed rounding (EVAL_ROUNDING).
+    be called better or worse; without one it must exceed rounding (EVAL_ROUNDING). ``reward_bands`` (column of
+    REWARD_COLUMNS -> the band of the reference's seed runs' differences in it) judges a preference objective's reward
+    margin and accuracy as the loss is judged (:func:`reward_judgement`).
     """
     v = Verdict(name, reference, is_reference=(name == reference))
     v.stopped_reason = summary.get("stopped_reason")
@@ -452,6 +541,12 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
                 v.parts.append(_eval_text(col, v.eval_diff[1], reference,
                                           float(width) if width is not None else None))
                 break
+        # A preference objective's rewards, judged like the loss; objective="lm" runs record none (no words).
+        for col in REWARD_COLUMNS:
+            if has_values(reference_history, col) and any(recorded_steps(history, col)):
+                j = reward_judgement(col, name, reference, history, reference_history, (reward_bands or {}).get(col))
+                v.rewards[col] = j
+                v.parts.append(j.text)
     if v.lost_updates_text:
         v.parts.append(v.lost_updates_text)
     if scaler or v.scale_first is not None:

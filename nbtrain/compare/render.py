@@ -26,8 +26,9 @@ _TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_acc
                  "weights_dtype", "steps", "order", "wall_s", "tokens_per_s", "speedup", "mfu",
                  "peak_vram_gib", "peak_host_rss_gib", "peak_host_tensors_gib", "est_weights_gib",
                  "est_master_weights_gib", "est_gradients_gib", "est_optimizer_gib", "est_total_gib", "final_loss",
-                 "eval_loss", "eval_perplexity", "eval_accuracy", "max_abs_loss_diff", "skipped_steps",
-                 "nonfinite_steps", "min_scale", "lost_updates", "fair")
+                 "eval_loss", "eval_perplexity", "eval_accuracy", "reward_margin", "reward_accuracy",
+                 "max_abs_loss_diff", "skipped_steps", "nonfinite_steps", "min_scale", "lost_updates",
+                 "logprob_mismatch", "fair")
 # Columns the text view shows only where the variants differ in them (a setting they all share says nothing).
 _TEXT_IF_DIFFERENT = ("micro_batch", "grad_accum", "method", "optimizer", "weights_dtype", "est_weights_gib",
                       "est_master_weights_gib", "est_gradients_gib", "est_optimizer_gib", "est_total_gib")
@@ -44,6 +45,21 @@ def _fmt_diff(v: float) -> str:
     if v == 0:
         return "0"
     return f"{v:.3f}" if v >= 0.01 else f"{v:.1e}"
+
+
+def _fmt_mismatch(v: float) -> str:
+    """A log-prob mismatch in nats per token: 4 decimals, or 2 significant digits below 0.001 (fp16's 3e-05 is not
+    fp32's 0)."""
+    if v == 0:
+        return "0"
+    return f"{v:.4f}" if abs(v) >= 1e-3 else f"{v:.1e}"
+
+
+def _present(table: pd.DataFrame, key: str) -> bool:
+    """Whether a compact column of _COMPACT_IF_PRESENT has something to show in ``table``."""
+    if key == "reward":   # a preference comparison's table has the column, NaN rewards and all
+        return "reward_margin" in table.columns
+    return key in table.columns and bool(table[key].notna().any())
 
 
 def _cell(v, fmt) -> str:
@@ -74,7 +90,8 @@ _FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.
             "max_abs_loss_diff": "{:.2e}", "max_rel_loss_diff": "{:.2e}", "min_scale": _fmt_scale,
             "lost_updates": "{:.1%}", "est_weights_gib": _fmt_gib, "est_master_weights_gib": _fmt_gib,
             "est_gradients_gib": _fmt_gib, "est_optimizer_gib": _fmt_gib, "est_activations_gib": _fmt_gib,
-            "est_logits_gib": _fmt_gib, "est_total_gib": _fmt_gib}
+            "est_logits_gib": _fmt_gib, "est_total_gib": _fmt_gib, "reward_margin": "{:.4f}",
+            "reward_accuracy": "{:.3f}", "logprob_mismatch": _fmt_mismatch}
 
 # The compact view: its columns and their headers, split in two lines where a header is longer than the values
 # under it, so that every column stays narrow and ten of them fit a 968 px notebook output.
@@ -85,6 +102,10 @@ _COMPACT_HEADERS = {"variant": ("Variant",), "precision": ("Precision",),
 # Shown after the precision only where the variants differ in them: which optimizer, and the dtype the trainable
 # weights are stored in (fp32 with a master copy under autocast; bf16 under bf16-pure).
 _COMPACT_IF_DIFFERENT = {"optimizer": ("Optimizer",), "weights_dtype": ("Weights",)}
+# Shown where a variant has a value in them (a preference comparison): the last step's reward margin with its
+# accuracy after the eval column, and the log-prob mismatch of the run's dtype after the loss difference.
+_COMPACT_IF_PRESENT = {"eval": {"reward": ("Reward margin", "(accuracy)")},
+                       "loss_diff": {"logprob_mismatch": ("Log-prob", "mismatch")}}
 _MEMORY_NOTES = {
     "vram": "accelerator memory the run allocated (its peak)",
     "tensors": "what the run's own tensors took at their peak (the process's resident memory, which grows "
@@ -98,9 +119,10 @@ class ComparisonViews:
     """The views of a ComparisonResult (a mixin: ComparisonResult holds the data, this draws and formats it)."""
 
     def figure(self, smoothing: float = 0.9):
-        """Overlaid loss, grad norm, loss scale and memory per variant, each variant's exact per-step loss
-        difference to the reference (eval differences as markers) over the seed-noise band, and bars of
-        throughput (with the repeats' range) and peak memory (a plotly Figure)."""
+        """Overlaid loss, grad norm, loss scale and memory per variant (and a preference objective's reward margin
+        and accuracy), each variant's exact per-step loss difference to the reference (eval differences as markers)
+        over the seed-noise band, and bars of throughput (with the repeats' range) and peak memory (a plotly
+        Figure)."""
         from ..viz.figures import compare_figure
 
         not_run = {r.variant: r.notes for r in self.table.itertuples() if r.variant not in self.results}
@@ -170,9 +192,22 @@ class ComparisonViews:
                 "skipped": f"{int(r.skipped_steps)} / {int(r.nonfinite_steps)}" if ran else MISSING,
                 "min_scale": _cell(r.min_scale, _fmt_scale),
                 "fair": MISSING if pd.isna(r.fair) else ("✓" if r.fair else "✗"),
+                "reward": self._reward_cell(r, self.results[r.variant]) if ran else MISSING,
+                "logprob_mismatch": _cell(getattr(r, "logprob_mismatch", None), _fmt_mismatch),
             }
             rows.append((r.variant, self.ended(r.variant), cells))
         return rows
+
+    @staticmethod
+    def _reward_cell(r, result) -> str:
+        """The last step's reward margin and, in brackets, its accuracy ("0.4123 (75%)"), as the table holds them;
+        a preference run's non-finite margin as it is ("nan"), never hidden; "—" for a run without rewards."""
+        objective = getattr(getattr(result, "config", None), "objective", None)
+        margin, acc = getattr(r, "reward_margin", math.nan), getattr(r, "reward_accuracy", math.nan)
+        if objective in (None, "lm") and pd.isna(margin):
+            return MISSING
+        text = f"{margin:.4f}" if math.isfinite(margin) else str(float(margin))
+        return text + (f" ({acc:.0%})" if math.isfinite(acc) else f" ({float(acc)})")
 
     def _compact_headers(self) -> dict[str, tuple[str, ...]]:
         heads = {}
@@ -181,6 +216,7 @@ class ComparisonViews:
             if key == "precision":
                 heads.update({k: v for k, v in _COMPACT_IF_DIFFERENT.items()
                               if k in self.table.columns and self.table[k].nunique(dropna=True) > 1})
+            heads.update({k: v for k, v in _COMPACT_IF_PRESENT.get(key, {}).items() if _present(self.table, k)})
         if self._eval_column() == "eval_accuracy":
             heads["eval"] = ("Eval", "accuracy")
         return heads
@@ -287,7 +323,8 @@ class ComparisonViews:
         items = []
         for name, v in self.verdicts.items():
             flagged = (v.within_noise is False or v.nonfinite_steps or v.skipped_steps or not v.ran
-                       or bool(v.lost_updates_text))
+                       or bool(v.lost_updates_text)
+                       or any(j.within_noise is False for j in getattr(v, "rewards", {}).values()))
             color = "#b45309" if flagged else "#222"
             rest = v.text[len(name) + 2:]
             items.append(f'<li style="color:{color}"><b>{html.escape(name)}</b>: {html.escape(rest)}</li>')

@@ -111,6 +111,18 @@ def _has_values(frame: Any, column: str) -> bool:
     return frame is not None and column in frame and pd.to_numeric(frame[column], errors="coerce").notna().any()
 
 
+def _last_value(history: Optional[pd.DataFrame], column: str) -> float:
+    """The last step's ``column`` (as final_loss is the last step's loss: a NaN there stays NaN); NaN without one."""
+    if history is None or not len(history) or column not in history:
+        return math.nan
+    return _float_or_nan(pd.to_numeric(pd.Series([history[column].iloc[-1]], dtype=object), errors="coerce")[0])
+
+
+def _preference(outcomes: Sequence[_Outcome]) -> bool:
+    """Whether any variant trains a preference objective (dpo, orpo, simpo): the table then has reward columns."""
+    return any(o.settings.get("objective", "lm") != "lm" for o in outcomes)
+
+
 def _not_run_why(o: _Outcome) -> str:
     """Why a variant has no run to judge, in a few words, from its status and first note."""
     note = o.notes[0] if o.notes else ""
@@ -174,6 +186,7 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
     ref_tps = [t for t, _ in ref.timings] if ref is not None else []
     causal = any(o.settings["task"] == "causal-lm" for o in outcomes)
     classify = any(o.settings["task"] != "causal-lm" for o in outcomes)
+    preference = _preference(outcomes)
     rows = []
     for o in outcomes:
         res = o.result
@@ -222,6 +235,10 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             row["eval_perplexity"] = _float_or_nan(s.get("eval_perplexity"))
         if classify:
             row["eval_accuracy"] = _float_or_nan(s.get("eval_accuracy"))
+        if preference:
+            # the last step's implicit rewards (TRL's names): margin, and the share of its pairs ranked right
+            row["reward_margin"] = _last_value(h, "reward_margin")
+            row["reward_accuracy"] = _last_value(h, "reward_accuracy")
         row.update({
             "max_abs_loss_diff": diff_abs,
             "max_rel_loss_diff": diff_rel,
@@ -231,6 +248,9 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             "min_scale": float(np.nanmin(scales)) if np.isfinite(scales).any() else math.nan,
             # share of the sampled weight updates the weights' dtype lost (NaN where it was not measured)
             "lost_updates": _float_or_nan(s.get("lost_updates")),
+            # mean |log p_run - log p_fp32| per answer token on sampled steps: how far the run's dtype moves the
+            # log-probs a preference loss takes differences of (NaN for objective="lm" or where not measured)
+            "logprob_mismatch": _float_or_nan(s.get("logprob_mismatch")),
             "init_hash": s.get("init_hash"),
             "data_hash": s.get("data_hash"),
             "fair": o.fair,
@@ -288,7 +308,8 @@ class ComparisonResult(ComparisonViews):
     """The outcome of compare(): ``verdicts`` (variant -> one-line answer), ``table`` (one row per variant,
     every column), ``compact_table()`` (what a person reads), ``results`` (variant -> TrainResult),
     ``differences`` / ``eval_differences`` (per step, each variant minus the reference), ``band`` (the seed
-    noise, from ``seed_results``), ``configs``, ``notes`` (variant -> notes), ``fair``, ``warnings``,
+    noise, from ``seed_results``), ``reward_differences`` / ``reward_bands`` (the same for a preference
+    objective's reward margin and accuracy), ``configs``, ``notes`` (variant -> notes), ``fair``, ``warnings``,
     ``errors`` (tracebacks), ``completion`` (how each variant's run ended) and ``stopped``, ``run_order``
     (the order of each repeat), ``noise_floor`` and ``aa_timings`` (the speed's noise), ``figure()``,
     ``summary_html()`` and ``to_html(path)`` (render.py)."""
@@ -360,6 +381,14 @@ class ComparisonResult(ComparisonViews):
         #: the reference and its whole seed runs evaluated at common steps: an eval difference inside it is no
         #: better or worse
         self.eval_bands = self._eval_bands(ref, whole)
+        #: a preference objective's per-step rewards ("reward_margin", "reward_accuracy") -> per step of the
+        #: reference, each variant's value minus the reference's; empty for objective="lm"
+        self.reward_differences = ({col: _verdicts.differences(histories, reference, col)
+                                    for col in _verdicts.REWARD_COLUMNS if _verdicts.has_values(ref.history, col)}
+                                   if ref is not None else {})
+        #: the reference's seed noise of each of those columns (verdicts.SeedBand), as ``band`` is the loss's:
+        #: what a variant's reward margin and accuracy are judged against; empty without seed runs or rewards
+        self.reward_bands = self._column_bands(ref, whole, self.reward_differences)
         #: variant -> verdicts.Verdict, the one-line answer (``.text``), every number from the runs above
         self.verdicts = {o.name: self._verdict(o) for o in outcomes}
 
@@ -376,6 +405,16 @@ class ComparisonResult(ComparisonViews):
                 out[col] = band
         return out
 
+    def _column_bands(self, ref, whole: Mapping[int, Any], columns) -> dict[str, _verdicts.SeedBand]:
+        """Column -> the seed band of the reference's step history in it, over the whole seed runs that recorded it."""
+        out = {}
+        for col in columns:
+            seeds = {s: h for s, h in whole.items() if _verdicts.has_values(h, col)}
+            band = _verdicts.seed_band(ref.history, seeds, self.reference_seed, column=col) if seeds else None
+            if band is not None and len(band.width):
+                out[col] = band
+        return out
+
     def _verdict(self, o: _Outcome) -> _verdicts.Verdict:
         res, ref = o.result, self.results.get(self.reference)
         if res is None or ref is None or not len(res.history):
@@ -388,7 +427,7 @@ class ComparisonResult(ComparisonViews):
             band=self.band, eval_history=res.eval_history, reference_eval_history=ref.eval_history,
             scaler=scaler, initial_scale=_initial_scale(res.history) if scaler else None,
             seed_wall_s=self.seed_wall_s, aa_timings=self.aa_timings, eval_bands=self.eval_bands,
-            lost_updates_text=lost_updates_of(res))
+            reward_bands=self.reward_bands, lost_updates_text=lost_updates_of(res))
         if o.fair is False:
             v.parts.append(f"NOT FAIR: not paired with {self.reference} (see its notes)")
         return v

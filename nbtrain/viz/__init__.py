@@ -16,7 +16,8 @@ _WHERE = {
     "ProgressBar": "progress",
     "Tracker": "tracker",
     **{name: "figures" for name in (
-        "PANELS", "add_run_traces", "columns", "compare_figure", "find_trace", "find_traces", "iter_runs",
+        "PANELS", "REWARD_PANELS", "add_run_traces", "columns", "compare_figure", "find_trace", "find_traces",
+        "has_rewards", "iter_runs",
         "make_run_layout", "run_figure", "runs_figure", "scale_axis", "set_title", "smooth", "trace_specs")},
 }
 

@@ -18,13 +18,19 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 PANELS: tuple[str, ...] = ("loss", "grad_norm", "scale", "memory")
+# A preference objective's runs (dpo, orpo, simpo) add these two, in a row of their own under the four; an
+# objective="lm" run has no rewards and never gets them (no empty panels).
+REWARD_PANELS: tuple[str, ...] = ("reward_margin", "reward_accuracy")
 # Where each panel sits in a run figure's 2 x 2 grid (row, col): four panels side by side in pairs fit one laptop
-# screen under the Panel's status line; the difference panel of overlaid runs spans a third row (DIFF_ROW).
-PANEL_CELLS: dict[str, tuple[int, int]] = {"loss": (1, 1), "grad_norm": (1, 2), "scale": (2, 1), "memory": (2, 2)}
+# screen under the Panel's status line; the reward panels take a third row when a run has rewards, and the
+# difference panel of overlaid runs spans the row after the last (DIFF_ROW without rewards).
+PANEL_CELLS: dict[str, tuple[int, int]] = {"loss": (1, 1), "grad_norm": (1, 2), "scale": (2, 1), "memory": (2, 2),
+                                           "reward_margin": (3, 1), "reward_accuracy": (3, 2)}
 
+_REWARD_COLS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 _FLOAT_COLS = ("step", "epoch", "tokens", "loss", "lr", "grad_norm", "scale", "vram_allocated_gib",
                "vram_reserved_gib", "vram_peak_gib", "host_rss_gib", "host_tensors_gib", "step_time_s",
-               "tokens_per_s", "elapsed_s")
+               "tokens_per_s", "elapsed_s") + _REWARD_COLS
 _BOOL_COLS = ("clipped", "skipped", "nonfinite")
 _EVAL_COLS = ("step", "eval_loss")
 
@@ -35,7 +41,9 @@ _NONFINITE_STYLE = dict(symbol="diamond-open", size=11, color="#ff7f0e", line=di
 _SOLO = dict(loss="#9ecae1", loss_ema="#1f77b4", eval_loss="#ff7f0e", grad_norm="#2ca02c",
              clip_threshold="#7f7f7f", clipped="#9467bd", scale="#8c564b", vram_allocated="#1f77b4",
              vram_reserved="#17becf", vram_peak="#d62728", device_total="#7f7f7f", host_rss="#1f77b4",
-             host_tensors="#1f77b4", host_rss_secondary="#9e9e9e")
+             host_tensors="#1f77b4", host_rss_secondary="#9e9e9e", reward_margin="#cab2d6",
+             reward_margin_ema="#6a3d9a", reward_chosen="#2ca02c", reward_rejected="#d62728",
+             reward_accuracy="#fdbf6f", reward_accuracy_ema="#ff7f00")
 # What process RSS is, wherever it is drawn next to the run's own tensors.
 RSS_NOTE = "process RSS — whole process, includes earlier runs and libraries"
 # The run-tensor count is taken on sampled steps (RunTensorBytes.measures): the line joins those.
@@ -106,7 +114,35 @@ def columns(history: Any) -> "Columns":
         out[col] = (np.zeros(n, dtype=bool) if vals is None
                     else np.fromiter((bool(v) if v is not None and v == v else False for v in vals),
                                      dtype=bool, count=n))
+    raw = get("reward_margin") if get else None
+    out["rewarded"] = rewarded(raw if raw is not None else [None] * n, out["nonfinite"])
     return out
+
+
+def rewarded(raw_margins: Sequence[Any], nonfinite: Sequence[bool]) -> np.ndarray:
+    """Per step, whether the record carried a reward margin: a finite value, or a non-finite one on a step flagged
+    non-finite (the engine's NaN reward, never averaged away). objective="lm" records hold None; a table read back
+    from a file holds NaN there instead, on unflagged steps too: there a NaN is no reward, flagged or not."""
+    flags = np.asarray(nonfinite, dtype=bool)
+    vals = np.array([_num(v) for v in raw_margins], dtype=np.float64)
+    given = np.array([v is not None for v in raw_margins], dtype=bool)
+    finite = np.isfinite(vals)
+    # A run that records rewards has one on every step: a missing or NaN one on an unflagged step says it has none.
+    complete = bool((given & (finite | flags)).all()) if len(vals) else False
+    return finite | (given & flags & complete)
+
+
+def has_rewards(c: Mapping[str, np.ndarray], info: Any = None) -> bool:
+    """Whether a run's figure gets the reward panels: its config's objective when the run info has one (so a
+    preference run has them from before its first step, and keeps them when every reward is NaN), else whether
+    any of its records carried a reward."""
+    objective = getattr(getattr(info, "config", None), "objective", None)
+    if isinstance(objective, str):
+        return objective != "lm"
+    flags = c.get("rewarded")
+    if flags is not None:
+        return bool(np.asarray(flags).any())
+    return bool(np.isfinite(c.get("reward_margin", np.array([]))).any())
 
 
 def eval_columns(eval_history: Any) -> dict[str, np.ndarray]:
@@ -175,6 +211,8 @@ def _flag_text(c: dict[str, np.ndarray], mask: np.ndarray) -> list[str]:
             parts.append(f"loss={loss}")
         if not math.isfinite(gn):
             parts.append(f"grad_norm={gn}")
+        if "rewarded" in c and c["rewarded"][i] and not math.isfinite(c["reward_margin"][i]):
+            parts.append(f"reward_margin={c['reward_margin'][i]}")
         if math.isfinite(c["scale"][i]):
             parts.append(f"scale now {c['scale'][i]:g}")
         texts.append("<br>".join(parts))
@@ -335,6 +373,25 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
             hovertemplate="step %{x}<br>%{y:.2f} GiB<br>" + RSS_NOTE + "<extra></extra>")
         mem_ref = c["host_rss_gib"]
 
+    # reward panels (preference objectives only) ------------------------------------------------
+    rewards = has_rewards(c, info)
+    if rewards:
+        for kind, label in (("reward_margin", "reward margin"), ("reward_accuracy", "reward accuracy")):
+            # As the loss: the recorded values thin, their EMA over them (one pair batch's accuracy is coarse).
+            fmt = "%{y:.1%}" if kind == "reward_accuracy" else "%{y:.4g}"
+            hover = "step %{x}<br>" + label + " " + fmt + "<extra>" + html.escape(name) + "</extra>"
+            ema = f"{label} (EMA)" if overlay else f"{label} (EMA {smoothing:g})"
+            add(kind, kind, label, legend=not overlay, x=x, y=c[kind], mode="lines",
+                opacity=0.3 if overlay else 1.0, line=dict(color=col if overlay else _SOLO[kind], width=1),
+                hovertemplate=hover)
+            add(kind, kind + "_ema", ema, legend=not overlay, x=x, y=smooth(c[kind], smoothing), mode="lines",
+                line=dict(color=col if overlay else _SOLO[kind + "_ema"], width=2), hovertemplate=hover)
+        if not overlay:
+            # One run: what the margin is the difference of (TRL's rewards/chosen and rewards/rejected).
+            for kind, label in (("reward_chosen", "chosen reward"), ("reward_rejected", "rejected reward")):
+                add("reward_margin", kind, label, x=x, y=c[kind], mode="lines",
+                    line=dict(color=_SOLO[kind], width=1, dash="dot"))
+
     # skipped / non-finite markers, in every panel ---------------------------------------------
     nonfinite = c["nonfinite"] | ~np.isfinite(c["loss"]) | ~np.isfinite(c["grad_norm"])
     gn_finite = c["grad_norm"][np.isfinite(c["grad_norm"])]
@@ -344,17 +401,19 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
         "grad_norm": np.where(np.isfinite(c["grad_norm"]), c["grad_norm"], gn_top),
         "scale": _fill_visible(c["scale"], 1.0),
         "memory": _fill_visible(mem_ref, 0.0),
+        "reward_margin": _fill_visible(c["reward_margin"], 0.0),
+        "reward_accuracy": _fill_visible(c["reward_accuracy"], 0.0),
     }
     for kind, mask, label, style in (("nonfinite", nonfinite, "non-finite", _NONFINITE_STYLE),
                                      ("skipped", c["skipped"], "skipped step", _SKIP_STYLE)):
         hover = _flag_text(c, mask)
-        for panel in PANELS:
+        for panel in PANELS + (REWARD_PANELS if rewards else ()):
             extra = {}
-            if kind == "nonfinite" and panel == "loss":
-                # The nan/inf loss itself, written where it would have been drawn.
+            if kind == "nonfinite" and panel in ("loss", "reward_margin"):
+                # The nan/inf value itself, written where it would have been drawn.
                 extra = dict(mode="markers+text", textposition="top center",
                              text=[("nan" if math.isnan(v) else str(v)) if not math.isfinite(v) else ""
-                                   for v in c["loss"][mask].tolist()])
+                                   for v in c[panel][mask].tolist()])
             marker = dict(style)
             if overlay:
                 marker["color"] = col
@@ -413,25 +472,44 @@ def _axis_titles(fig: go.Figure, titles: Mapping[tuple[int, int], str]) -> None:
 
 DIFF_ROW = 3   # the difference panel of overlaid runs: a third row under the 2 x 2 grid, both columns wide
 DIFF_HEIGHT = 150
+REWARD_HEIGHT = 230   # the reward row: as tall as each row of the 2 x 2 grid
+
+
+def diff_row(rewards: bool = False) -> int:
+    """The difference panel's row in a run figure: under the reward row when there is one."""
+    return DIFF_ROW + 1 if rewards else DIFF_ROW
+
+
+REWARD_TITLES = {"reward_margin": "reward margin (chosen − rejected)",
+                 "reward_accuracy": "reward accuracy (chosen > rejected)"}
+ACCURACY_AXIS = dict(range=[-0.05, 1.05], tickformat=".0%", tickvals=[0, 0.25, 0.5, 0.75, 1])
 # Height of the 2 x 2 grid: with the Panel's status line above it, it fits the output area of a 1440 x 900
 # JupyterLab window (about 780 px of notebook), and so does the grid with its difference row.
 RUN_HEIGHT = 500
 
 
 def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEIGHT,
-                    loss_unit: str = "nats/token", difference: Optional[str] = None) -> go.Figure:
+                    loss_unit: str = "nats/token", difference: Optional[str] = None,
+                    rewards: bool = False) -> go.Figure:
     """An empty 4-panel figure (loss and grad norm, then loss scale and memory, in a 2 x 2 grid) sharing the step
-    axis, each y axis titled with its unit; with ``difference`` (a reference run's name) a panel below them, both
+    axis, each y axis titled with its unit; with ``rewards`` (a preference objective) a row under them holds the
+    reward margin and the reward accuracy; with ``difference`` (a reference run's name) a panel below them, both
     columns wide, holds each run's loss minus that run's, per step."""
     # short enough for a half-width panel: two titles side by side must not run into each other
     titles = ["loss", "grad norm (unscaled, before clipping)", SCALE_TITLE, memory_title]
     specs = [[{}, {}], [{}, {}]]
-    row_heights = None
+    heights = [1.0, 1.0]
+    if rewards:
+        titles += [REWARD_TITLES[p] for p in REWARD_PANELS]
+        specs.append([{}, {}])
+        heights.append(1.0)
+        height += REWARD_HEIGHT
     if difference is not None:
         titles.append(_diff_title(difference, None))
         specs.append([{"colspan": 2}, None])
-        row_heights = [1.0, 1.0, 0.7]
+        heights.append(0.7)
         height += DIFF_HEIGHT
+    row_heights = heights if len(heights) > 2 else None
     rows = len(specs)
     # vertical spacing in pixels, whatever the height: room for a two-line panel title over the next row
     fig = make_subplots(rows=rows, cols=2, specs=specs, shared_xaxes="all", subplot_titles=titles,
@@ -441,9 +519,14 @@ def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEI
     # labels at 1, 2, 5 of each decade: every digit (plotly's default) crowds a half-width panel
     fig.update_yaxes(type="log", dtick="D2", row=r, col=c)
     fig.update_yaxes(row=PANEL_CELLS["scale"][0], col=PANEL_CELLS["scale"][1], **scale_axis([]))
+    if rewards:
+        fig.update_yaxes(row=PANEL_CELLS["reward_accuracy"][0], col=PANEL_CELLS["reward_accuracy"][1],
+                         **ACCURACY_AXIS)
     _axis_titles(fig, {PANEL_CELLS["loss"]: f"loss ({loss_unit})", PANEL_CELLS["grad_norm"]: "grad norm (L2)",
                        PANEL_CELLS["scale"]: "loss scale", PANEL_CELLS["memory"]: "memory (GiB)",
-                       **({(DIFF_ROW, 1): "Δ loss (nats)"} if difference else {})})
+                       **({PANEL_CELLS["reward_margin"]: "margin", PANEL_CELLS["reward_accuracy"]: "accuracy"}
+                          if rewards else {}),
+                       **({(diff_row(rewards), 1): "Δ loss (nats)"} if difference else {})})
     # every panel shows its step ticks (a shared axis shows them on the bottom row only otherwise); the bottom
     # row names the axis
     fig.update_xaxes(showticklabels=True)
@@ -514,7 +597,7 @@ def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int, col: in
 
 def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optional[str] = None,
                 colors: Optional[Mapping[str, str]] = None) -> go.Figure:
-    """Several runs overlaid in the 4 panels, one colour per run.
+    """Several runs overlaid in the 4 panels (6 when a run has rewards: :func:`has_rewards`), one colour per run.
 
     ``runs`` maps a name to a history, or to a dict/tuple ``(history, eval_history, info)``. One run
     is drawn in full detail (allocated/reserved/peak memory, per-quantity colours).
@@ -530,8 +613,9 @@ def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optio
         norm[str(name)] = (columns(h), e, i)
     overlay = len(norm) > 1
     reference = next(iter(norm)) if overlay else None
-    fig = make_run_layout(memory_title=_memory_title(norm),
-                          loss_unit=_loss_unit(i for _, _, i in norm.values()), difference=reference)
+    rewards = any(has_rewards(c, i) for c, _, i in norm.values())
+    fig = make_run_layout(memory_title=_memory_title(norm), loss_unit=_loss_unit(i for _, _, i in norm.values()),
+                          difference=reference, rewards=rewards)
     palette = {}
     for k, (name, (c, e, i)) in enumerate(norm.items()):
         palette[name] = (colors or {}).get(name) or _PALETTE[k % len(_PALETTE)]
@@ -539,7 +623,7 @@ def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optio
             fig.add_trace(_spec_trace(spec), row=spec["row"], col=spec["col"])
     if overlay:   # last, so that the runs' own traces keep the order trace_specs gives them (live updates)
         for tr in live_difference_traces(norm, palette):
-            fig.add_trace(tr, row=DIFF_ROW, col=1)
+            fig.add_trace(tr, row=diff_row(rewards), col=1)
     fig.update_yaxes(row=PANEL_CELLS["scale"][0], col=PANEL_CELLS["scale"][1], **runs_scale_axis(norm))
     _no_scaler_note(fig, norm, *PANEL_CELLS["scale"])
     return set_title(fig, title)
@@ -559,9 +643,12 @@ def _summary_value(summary: Optional[Mapping], key: str) -> float:
     return _num(summary.get(key)) if summary else math.nan
 
 
-# Where each panel goes in the comparison's 5 x 2 grid (row, col).
+# Where each panel goes in the comparison's 5 x 2 grid (row, col); a preference comparison's reward panels in two
+# more rows under it.
 _COMPARE_GRID = {"loss": (1, 1), "loss_diff": (2, 1), "grad_norm": (3, 1), "scale": (4, 1), "memory": (5, 1),
-                 "throughput": (1, 2), "peak_memory": (3, 2)}
+                 "throughput": (1, 2), "peak_memory": (3, 2), "reward_margin": (6, 1), "reward_accuracy": (7, 1)}
+COMPARE_HEIGHT = 1050   # five rows; a preference comparison's two reward rows add COMPARE_REWARD_HEIGHT each
+COMPARE_REWARD_HEIGHT = 190
 
 
 _BAND_FILL = "rgba(110, 110, 110, 0.18)"   # light, so the difference lines drawn over it stay readable
@@ -686,9 +773,9 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
                    throughput_range: Optional[Mapping[str, tuple[float, float]]] = None) -> go.Figure:
     """Variants overlaid: loss, each variant's exact per-step loss difference to ``reference`` (eval
     differences as markers) over the seed-noise ``band`` (:func:`difference_traces`), grad norm, loss scale
-    and memory over the steps, with bars of throughput and peak memory (the figure of
-    ``ComparisonResult.figure()``). ``throughput_range`` (name -> (lowest, highest) tokens/s over repeats)
-    draws each bar's range as an error bar.
+    and memory over the steps, and, for a preference objective (:func:`has_rewards`), the reward margin and the
+    reward accuracy, with bars of throughput and peak memory (the figure of ``ComparisonResult.figure()``).
+    ``throughput_range`` (name -> (lowest, highest) tokens/s over repeats) draws each bar's range as an error bar.
 
     ``summaries`` (name -> ``result.summary``) supply ``tokens_per_s`` and ``peak_vram_gib`` (on CPU
     ``peak_host_tensors_gib``, the run's own tensors); without them the bars use the history's median
@@ -720,11 +807,17 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
         peak_key, peak_col, peak_label = "peak_host_tensors_gib", "host_tensors_gib", "peak run tensors (GiB)"
     else:
         peak_key, peak_col, peak_label = "peak_host_rss_gib", "host_rss_gib", "peak host RSS (GiB)"
+    rewards = any(has_rewards(c, i) for c, _, i in runs.values())
+    rows = 7 if rewards else 5
+    height = COMPARE_HEIGHT + (2 * COMPARE_REWARD_HEIGHT if rewards else 0)
     fig = make_subplots(
-        rows=5, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1, vertical_spacing=0.06,
-        specs=[[{}, {"rowspan": 2}], [{}, None], [{}, {"rowspan": 2}], [{}, None], [{}, None]],
+        rows=rows, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1,
+        vertical_spacing=0.06 * COMPARE_HEIGHT / height,   # the same gap in pixels, however many rows
+        specs=[[{}, {"rowspan": 2}], [{}, None], [{}, {"rowspan": 2}], [{}, None], [{}, None]]
+        + [[{}, None]] * (rows - 5),
         subplot_titles=("loss", "throughput (tokens/s)", _diff_title(ref, band), "gradient norm (unscaled)",
-                        peak_label, SCALE_TITLE, _memory_title(runs)))
+                        peak_label, SCALE_TITLE, _memory_title(runs))
+        + tuple(REWARD_TITLES[p] for p in REWARD_PANELS if rewards))
     palette = {name: _PALETTE[k % len(_PALETTE)] for k, name in enumerate(runs)}
     for tr in difference_traces({n: c for n, (c, _, _) in runs.items()}, ref,
                                 {n: ev for n, (_, ev, _) in runs.items()}, band, palette):
@@ -763,19 +856,23 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
                          textposition="auto", meta={"run": None, "panel": "peak_memory", "kind": "peak_memory"}),
                   row=3, col=2)
     # One step axis for the whole left column, so zooming one panel zooms all.
-    for row in range(2, 6):
+    for row in range(2, rows + 1):
         fig.update_xaxes(matches="x", row=row, col=1)
-    fig.update_xaxes(showticklabels=True, title_text="optimizer step", row=5, col=1)
+    fig.update_xaxes(showticklabels=True, title_text="optimizer step", row=rows, col=1)
     fig.update_yaxes(type="log", row=3, col=1)
     fig.update_yaxes(row=4, col=1, **runs_scale_axis(runs))
+    if rewards:
+        fig.update_yaxes(row=_COMPARE_GRID["reward_accuracy"][0], col=1, **ACCURACY_AXIS)
     unit = _loss_unit(i for _, _, i in runs.values())
     _axis_titles(fig, {(1, 1): f"loss ({unit})", (2, 1): f"Δ loss ({unit.split('/')[0]})",
                        (3, 1): "grad norm (L2)", (4, 1): "loss scale", (5, 1): "memory (GiB)",
-                       (1, 2): "tokens/s", (3, 2): "GiB"})
+                       (1, 2): "tokens/s", (3, 2): "GiB",
+                       **({_COMPARE_GRID["reward_margin"]: "margin", _COMPARE_GRID["reward_accuracy"]: "accuracy"}
+                          if rewards else {})})
     _no_scaler_note(fig, runs, *_COMPARE_GRID["scale"])
     if title is None:
         title = " vs ".join(names) + f" (reference: {ref})" + _not_run_text(not_run)
-    fig.update_layout(height=1050, margin=dict(l=70, r=20, t=60, b=50), template="plotly_white",
+    fig.update_layout(height=height, margin=dict(l=70, r=20, t=60, b=50), template="plotly_white",
                       hovermode="closest", legend=dict(groupclick="togglegroup"))
     return set_title(fig, title)
 

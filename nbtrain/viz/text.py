@@ -36,9 +36,26 @@ def _mfu_text(value: float) -> str:
     return f"MFU {100 * value:.{1 if value >= 0.01 else 2}f}%"
 
 
+def reward_text(record: Any, prefix: str = "") -> Optional[str]:
+    """A preference step's reward margin and accuracy in a few words ("margin 0.412 · accuracy 75%", ``prefix``
+    before the first; a non-finite value as it is, "margin nan"); None for a record without rewards
+    (objective="lm")."""
+    margin, acc = getattr(record, "reward_margin", None), getattr(record, "reward_accuracy", None)
+    if margin is None and acc is None:
+        return None
+    parts = []
+    if margin is not None:
+        parts.append(f"{prefix}margin {margin:.3g}" if math.isfinite(margin) else f"{prefix}margin {margin}")
+    if acc is not None:
+        word = "accuracy" if parts else f"{prefix}accuracy"   # the prefix once: "reward margin 0.41 · accuracy 75%"
+        parts.append(f"{word} {acc:.0%}" if math.isfinite(acc) else f"{word} {acc}")
+    return " · ".join(parts)
+
+
 def status_line(records: list, info: Any = None, total_steps: Optional[int] = None,
                 run: Optional[str] = None) -> str:
-    """One line: step/total, tokens/s, elapsed, ETA, precision, micro × accum = effective batch, method."""
+    """One line: step/total, tokens/s, elapsed, ETA, precision, micro × accum = effective batch, method, the
+    latest loss (and a preference objective's latest reward margin and accuracy)."""
     last = records[-1] if records else None
     total = total_steps or getattr(info, "total_steps", None)
     parts = []
@@ -78,6 +95,9 @@ def status_line(records: list, info: Any = None, total_steps: Optional[int] = No
         parts.append(f"loss {last.loss}")
     elif last is not None:
         parts.append(f"loss {last.loss:.4g}")
+    rewards = reward_text(last, "reward ") if last is not None else None
+    if rewards:
+        parts.append(rewards)
     return " · ".join(parts)
 
 
@@ -96,6 +116,9 @@ def summary_text(records: list, evals: list, info: Any = None, result: Any = Non
         parts.append(f"final loss {losses[-1]:.4g}")
     if evals:
         parts.append(f"eval loss {evals[-1].eval_loss:.4g}")
+    rewards = reward_text(last, "final reward ")
+    if rewards:
+        parts.append(rewards)
     skipped = sum(bool(r.skipped) for r in records)
     nonfin = sum(bool(r.nonfinite) or not math.isfinite(r.loss if r.loss is not None else math.nan)
                  for r in records)

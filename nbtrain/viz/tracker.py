@@ -46,6 +46,8 @@ class RunTrack:
             cols[c] = np.array(self.cols[c], dtype=np.float64)  # None -> nan
         for c in _BOOL_COLS:
             cols[c] = np.array([bool(v) for v in self.cols[c]], dtype=bool)
+        # from the raw values: None (objective="lm") and a NaN reward are both NaN in the float column
+        cols["rewarded"] = figures.rewarded(self.cols["reward_margin"], cols["nonfinite"])
         evals = {"step": np.array([e.step for e in self.evals], dtype=np.float64),
                  "eval_loss": np.array([_num(e.eval_loss) for e in self.evals], dtype=np.float64)}
         return cols, evals, self.info
