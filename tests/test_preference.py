@@ -226,3 +226,14 @@ def test_pair_losses_units():
     with pytest.raises(ValueError, match="objective"):
         pair_losses("lm", 0.1, 0.0, sums, counts)
     assert F.logsigmoid(torch.tensor(0.0)).item() == pytest.approx(-LN2)
+
+
+def test_the_run_tensor_count_holds_the_reference_copy(fake_pairs):
+    """On the CPU the run's own tensors (host_tensors_gib) include the frozen copy: a full DPO run with a copy holds
+    exactly one model's weights more than the same run with precomputed log-probs (which compute the same losses)."""
+    copy_run = run(objective="dpo")
+    pre_run = run(objective="dpo", precompute_ref=True)
+    model_bytes = sum(p.numel() * p.element_size() for p in copy_run.model.parameters())
+    model_bytes += sum(b.numel() * b.element_size() for b in copy_run.model.buffers())
+    extra = (copy_run.summary["peak_host_tensors_gib"] - pre_run.summary["peak_host_tensors_gib"]) * 2**30
+    assert extra == pytest.approx(model_bytes, rel=0.02)

@@ -159,6 +159,7 @@ class PreferenceObjective:
             self.ref_kind = "precomputed"
             self.ref_table = self._precompute(st.data.train)
             self.eval_table = self._precompute(st.data.eval) if st.data.eval else None
+            st.host_tensors.also_holds([t for t in (self.ref_table, self.eval_table) if t is not None])
             n = len(st.data.train) + len(st.data.eval or [])
             st.notes.append(f"DPO reference: log-probs of the {n} pairs computed once before step 1 "
                             "(precompute_ref=True; no copy of the model)")
@@ -166,6 +167,7 @@ class PreferenceObjective:
             self.ref_kind = "frozen copy"
             self.ref_model = copy.deepcopy(st.model).requires_grad_(False)
             self.ref_model.eval()
+            st.host_tensors.also_holds([*self.ref_model.parameters(), *self.ref_model.buffers()])
             dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.ref_model.parameters()})
             st.notes.append(f"DPO reference: a frozen copy of the initial model ({'/'.join(dtypes)} weights, no "
                             "gradients or optimizer state)")

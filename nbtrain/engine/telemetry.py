@@ -69,6 +69,10 @@ class RunTensorBytes:
         self._skip: frozenset[int] = frozenset()
         self._now = self._saved_peak = self._step_peak = 0
 
+    def also_holds(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count more tensors the run holds all along (a DPO reference copy's weights, precomputed log-probs)."""
+        self._buffers.extend(tensors)
+
     def _tensors(self) -> Iterable[torch.Tensor]:
         yield from self._params
         yield from self._buffers
