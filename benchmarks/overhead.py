@@ -91,9 +91,11 @@ def traced_every_step(cfg: nbt.TrainConfig) -> list[float]:
 
 
 def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=None,
-        every_step: bool = False) -> dict:
+        every_step: bool = False, aa: bool = False) -> dict:
     """Measure every precision, interleaved; ``extra`` maps a name to callbacks for more nbtrain rows;
-    ``every_step`` adds a row with the run-tensor tracer on every step."""
+    ``every_step`` adds a row with the run-tensor tracer on every step; ``aa`` runs the bare loop a second time in
+    each repeat (after the pair), so the bare-vs-bare ratio shows the spread the nbtrain-vs-bare ratio has when
+    the two sides are the same code."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     # Untimed first runs of both loops: the process's one-time costs (lazy imports, kernels, allocator pools)
     # would otherwise land on whichever loop runs first (a first pair measured 18x on 2 cores).
@@ -109,6 +111,8 @@ def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=No
             samples[name] = []
         if every_step:
             samples["traced_every_step"] = []
+        if aa:
+            samples["bare_again"] = []
         for r in range(repeats):
             # Alternate the order (ABBA...) so whatever favours the first or second run cancels out.
             pair = [("bare", lambda c=cfg: bare_loop(c, steps)), ("nbtrain", lambda c=cfg: nbtrain_loop(c))]
@@ -118,6 +122,8 @@ def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=No
                 samples[name].append(statistics.median(nbtrain_loop(cfg, make_cbs())[WARMUP:]))
             if every_step:
                 samples["traced_every_step"].append(statistics.median(traced_every_step(cfg)[WARMUP:]))
+            if aa:
+                samples["bare_again"].append(statistics.median(bare_loop(cfg, steps)[WARMUP:]))
         med = {k: statistics.median(v) for k, v in samples.items()}
         # Each repeat is one interleaved pair: its ratio is free of the drift between repeats; the median of the
         # pairs is the figure, their range its noise.
@@ -133,6 +139,10 @@ def run(steps: int = 40, repeats: int = 3, precisions=("fp32", "bf16"), extra=No
             traced = [t / b for t, b in zip(samples["traced_every_step"], samples["bare"])]
             row["ratio_traced_every_step_vs_bare"] = round(statistics.median(traced), 4)
             row["traced_every_step_pair_ratio_range"] = [round(min(traced), 4), round(max(traced), 4)]
+        if aa:
+            same = [a / b for a, b in zip(samples["bare_again"], samples["bare"])]
+            row["ratio_bare_again_vs_bare"] = round(statistics.median(same), 4)
+            row["bare_again_pair_ratios"] = [round(x, 4) for x in same]
         rows.append(row)
     return {
         "date": dt.date.today().isoformat(), "device": "cpu", "cpu": nbt.capabilities("cpu").name,
@@ -149,14 +159,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--every-step-tracer", action="store_true",
                     help="add a row with the CPU run-tensor tracer on every step, for what sampling it saves")
+    ap.add_argument("--aa", action="store_true",
+                    help="run the bare loop twice per repeat: the bare-vs-bare ratio is the harness's own spread")
     args = ap.parse_args(argv)
-    res = run(args.steps, args.repeats, tuple(args.precisions.split(",")), every_step=args.every_step_tracer)
+    res = run(args.steps, args.repeats, tuple(args.precisions.split(",")), every_step=args.every_step_tracer,
+              aa=args.aa)
     for r in res["rows"]:
         print(f"{r['precision']}: bare {r['bare_tokens_per_s']:,.0f} tok/s, nbtrain "
               f"{r['nbtrain_tokens_per_s']:,.0f} tok/s, ratio {r['ratio_nbtrain_vs_bare']:.3f} (median of "
               f"{len(r['pair_ratios'])} pairs, range {r['pair_ratio_range'][0]:.3f}-{r['pair_ratio_range'][1]:.3f}; "
               "target >= 0.97)" + (f"; tracer on every step {r['ratio_traced_every_step_vs_bare']:.3f}"
-                                   if "ratio_traced_every_step_vs_bare" in r else ""))
+                                   if "ratio_traced_every_step_vs_bare" in r else "")
+              + (f"; bare vs bare {r['ratio_bare_again_vs_bare']:.3f} (pairs "
+                 f"{min(r['bare_again_pair_ratios']):.3f}-{max(r['bare_again_pair_ratios']):.3f})"
+                 if "ratio_bare_again_vs_bare" in r else ""))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

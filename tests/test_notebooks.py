@@ -24,7 +24,7 @@ ARTIFACTS = ROOT / "test-artifacts" / "notebooks"
 
 EXPECTED = ["01_quickstart", "02_gradient_accumulation", "03_mixed_precision", "04_compare_precisions",
             "05_lora_qlora_memory", "06_hf_trainer_dashboard", "07_image_classification", "08_instruction_tuning",
-            "09_precision_of_every_tensor", "10_real_model_precisions"]
+            "09_precision_of_every_tensor", "10_real_model_precisions", "11_preference_tuning"]
 CONFIG_FILES = ["tiny.yaml", "minilm-lora.yaml", "qwen2.5-0.5b-qlora.yaml"]
 CELL_TIMEOUT_S = 600
 
