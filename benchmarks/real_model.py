@@ -38,7 +38,18 @@ from nbtrain.models import build_model, load_tokenizer  # noqa: E402
 from nbtrain.precision import PRECISION_TABLE, global_torch_state  # noqa: E402
 
 ROWS = [("full", "fp32"), ("full", "bf16"), ("lora", "fp32"), ("lora", "bf16")]
-ARMS = ("bare", "nbtrain", "trainer")
+
+
+def _has_trl() -> bool:
+    try:
+        import trl  # noqa: F401
+    except Exception:   # noqa: BLE001 - not installed, or it does not import with this transformers
+        return False
+    return True
+
+
+# TRL's SFTTrainer as a fourth arm where trl imports (pip install trl; it is not a dependency of nbtrain)
+ARMS = ("bare", "nbtrain", "trainer") + (("sft",) if _has_trl() else ())
 
 
 def base_config(seq_len: int, batch: int) -> nbt.TrainConfig:
@@ -58,7 +69,8 @@ def one(arm: str, cfg: nbt.TrainConfig, plan, warmup: int, windows: int, per_win
     gs._free(device)
     with global_torch_state(spec):
         runner = {"bare": gs.run_bare, "nbtrain": gs.run_nbtrain}.get(arm)
-        got = runner(cfg, row, win, device) if runner else gs.run_trainer(cfg, row, win, device, tmp)
+        got = (runner(cfg, row, win, device) if runner else
+               gs.run_trainer(cfg, row, win, device, tmp, sft=arm == "sft"))
     got.update(win.summary())
     gs._free(device)
     return got
@@ -109,7 +121,7 @@ def main(argv=None) -> dict:
         runs: dict[str, list[float]] = {a: [] for a in ARMS}
         losses: dict[str, list[float]] = {a: [] for a in ARMS}
         for r in range(args.repeats):
-            order = ARMS[r % 3:] + ARMS[:r % 3]
+            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
             for arm in order:
                 got = one(arm, cfg, plan, args.warmup, args.windows, args.per_window, device, tmp)
                 runs[arm].append(got["tokens_per_s"])
@@ -118,6 +130,7 @@ def main(argv=None) -> dict:
                       f"loss {got['final_loss']:.4f}", flush=True)
         pairs_bare = [n / b for n, b in zip(runs["nbtrain"], runs["bare"])]
         pairs_trainer = [n / t for n, t in zip(runs["nbtrain"], runs["trainer"])]
+        pairs_sft = [n / t for n, t in zip(runs["nbtrain"], runs.get("sft", []))]
         fpt = flops_per_token(cfg)
         tps = statistics.median(runs["nbtrain"])
         out_rows.append({
@@ -126,6 +139,8 @@ def main(argv=None) -> dict:
             "pairs_bare": [round(x, 4) for x in pairs_bare], "pairs_trainer": [round(x, 4) for x in pairs_trainer],
             "verdict_bare": verdicts.speed(runs["nbtrain"], runs["bare"]).state,
             "verdict_trainer": verdicts.speed(runs["nbtrain"], runs["trainer"]).state,
+            **({"vs_sft_trainer": statistics.median(pairs_sft), "pairs_sft_trainer": [round(x, 4) for x in pairs_sft],
+                "verdict_sft_trainer": verdicts.speed(runs["nbtrain"], runs["sft"]).state} if pairs_sft else {}),
             "tokens_per_s": tps, "tokens_per_s_by_arm": {a: [round(x, 1) for x in v] for a, v in runs.items()},
             "final_loss_by_arm": {a: [round(x, 4) for x in v] for a, v in losses.items()},
             "model_flops_per_token": fpt, "mfu": mfu(fpt, tps, caps.peak_tflops, precision),
@@ -149,6 +164,7 @@ def markdown(res: dict) -> str:
              f"{m['repeats']} repeats in rotating order; ratios are the median of the per-repeat pairs [range].", "",
              "| method | precision | nbtrain tok/s | vs bare | vs Trainer | speed rule (bare / Trainer) | MFU |",
              "|---|---|---|---|---|---|---|"]
+    sft = [r for r in res["rows"] if "vs_sft_trainer" in r]
     for r in res["rows"]:
         lines.append(f"| {r['method']} | {r['precision']} | {r['tokens_per_s']:,.0f} | {r['vs_bare']:.3f} "
                      f"[{min(r['pairs_bare']):.3f}-{max(r['pairs_bare']):.3f}] | {r['vs_trainer']:.3f} "
@@ -156,6 +172,11 @@ def markdown(res: dict) -> str:
                      f"{r['verdict_trainer']} | {100 * r['mfu']:.2f}% |" if r["mfu"] is not None else
                      f"| {r['method']} | {r['precision']} | {r['tokens_per_s']:,.0f} | {r['vs_bare']:.3f} | "
                      f"{r['vs_trainer']:.3f} | {r['verdict_bare']} / {r['verdict_trainer']} | - |")
+    if sft:
+        lines += ["", "TRL's SFTTrainer (trl " + str(res["meta"]["versions"].get("trl", "?")) + ") on the same batches:", "",
+                  "| method | precision | vs SFTTrainer | speed rule |", "|---|---|---|---|"]
+        lines += [f"| {r['method']} | {r['precision']} | {r['vs_sft_trainer']:.3f} [{min(r['pairs_sft_trainer']):.3f}-"
+                  f"{max(r['pairs_sft_trainer']):.3f}] | {r['verdict_sft_trainer']} |" for r in sft]
     return "\n".join(lines) + "\n"
 
 
