@@ -22,7 +22,7 @@ torch.set_num_threads(max(1, 2 // WORKERS))
 # alone while the other worker idles.
 # test_memory_fsdp and test_real_model go last: they read the torchrun start-up test_fsdp's worker has made by then
 # (started together, one worker would wait on the other's lock).
-LONGEST_FIRST = ("test_notebooks", "test_distributed", "test_browser", "test_browser_results", "test_fsdp",
+LONGEST_FIRST = ("test_notebooks", "test_notebooks_real", "test_distributed", "test_browser", "test_browser_results", "test_fsdp",
                  "test_benchmarks", "test_isolation")
 LAST = ("test_memory_fsdp", "test_real_model")
 

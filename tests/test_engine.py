@@ -153,7 +153,9 @@ def test_healthy_50_step_run():
     h = r.history
     assert list(h.columns) == list(STEP_FIELDS)
     assert list(h.step) == list(range(1, 51)) and len(seen.records) == 50
-    cpu_none = {"scale", "vram_allocated_gib", "vram_reserved_gib", "vram_peak_gib"}
+    # no scaler and no accelerator on the CPU; no preference objective (objective="lm")
+    cpu_none = {"scale", "vram_allocated_gib", "vram_reserved_gib", "vram_peak_gib", "reward_chosen",
+                "reward_rejected", "reward_margin", "reward_accuracy"}
     for rec in seen.records:
         for f in STEP_FIELDS:
             v = getattr(rec, f)
