@@ -601,9 +601,10 @@ def run_trainer(cfg: nbt.TrainConfig, row: Row, win: Windows, device: str, tmp: 
             if sft:
                 from trl import SFTConfig, SFTTrainer
 
-                # SFTConfig turns gradient checkpointing on by default; nbtrain's config says whether it is on
-                kw = {**kw, "gradient_checkpointing": cfg.gradient_checkpointing, "packing": False,
-                      "dataset_kwargs": {"skip_prepare_dataset": True}}
+                # SFTConfig turns bf16 and gradient checkpointing on by default (an fp32 row would train bf16, as
+                # the first run of this arm did); nbtrain's config says what is on, as its trl-sft export writes
+                kw = {"bf16": False, "fp16": False, **kw, "gradient_checkpointing": cfg.gradient_checkpointing,
+                      "packing": False, "dataset_kwargs": {"skip_prepare_dataset": True}}
                 kw.pop("activation_checkpointing", None)
                 import datasets
 

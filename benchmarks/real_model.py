@@ -91,8 +91,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--per-window", type=int, default=2)
+    ap.add_argument("--arms", default=None, help="comma-separated subset of " + ",".join(ARMS))
+    ap.add_argument("--chunked-loss", action="store_true",
+                    help="nbtrain's arm with chunked_loss=True (the fused head + loss: no vocab-wide logits)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    arms = tuple(args.arms.split(",")) if args.arms else ARMS
+    if "nbtrain" not in arms or any(a not in ARMS for a in arms):
+        ap.error(f"--arms: must include nbtrain and name only {', '.join(ARMS)}; got {args.arms!r}")
     try:
         from transformers.utils import logging as hf_logging
 
@@ -118,27 +124,29 @@ def main(argv=None) -> dict:
     out_rows = []
     for method, precision in rows:
         cfg = base.replace(method=method, precision=precision, max_steps=total)
-        runs: dict[str, list[float]] = {a: [] for a in ARMS}
-        losses: dict[str, list[float]] = {a: [] for a in ARMS}
+        runs: dict[str, list[float]] = {a: [] for a in arms}
+        losses: dict[str, list[float]] = {a: [] for a in arms}
         for r in range(args.repeats):
-            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+            order = arms[r % len(arms):] + arms[:r % len(arms)]
             for arm in order:
-                got = one(arm, cfg, plan, args.warmup, args.windows, args.per_window, device, tmp)
+                arm_cfg = cfg.replace(chunked_loss=True) if arm == "nbtrain" and args.chunked_loss else cfg
+                got = one(arm, arm_cfg, plan, args.warmup, args.windows, args.per_window, device, tmp)
                 runs[arm].append(got["tokens_per_s"])
                 losses[arm].append(got["final_loss"])
                 print(f"[real] {method}:{precision} repeat {r + 1} {arm}: {got['tokens_per_s']:,.0f} tok/s, "
                       f"loss {got['final_loss']:.4f}", flush=True)
-        pairs_bare = [n / b for n, b in zip(runs["nbtrain"], runs["bare"])]
-        pairs_trainer = [n / t for n, t in zip(runs["nbtrain"], runs["trainer"])]
+        pairs_bare = [n / b for n, b in zip(runs["nbtrain"], runs.get("bare", []))]
+        pairs_trainer = [n / t for n, t in zip(runs["nbtrain"], runs.get("trainer", []))]
         pairs_sft = [n / t for n, t in zip(runs["nbtrain"], runs.get("sft", []))]
         fpt = flops_per_token(cfg)
         tps = statistics.median(runs["nbtrain"])
         out_rows.append({
             "method": method, "precision": precision,
-            "vs_bare": statistics.median(pairs_bare), "vs_trainer": statistics.median(pairs_trainer),
-            "pairs_bare": [round(x, 4) for x in pairs_bare], "pairs_trainer": [round(x, 4) for x in pairs_trainer],
-            "verdict_bare": verdicts.speed(runs["nbtrain"], runs["bare"]).state,
-            "verdict_trainer": verdicts.speed(runs["nbtrain"], runs["trainer"]).state,
+            **({"vs_bare": statistics.median(pairs_bare), "pairs_bare": [round(x, 4) for x in pairs_bare],
+                "verdict_bare": verdicts.speed(runs["nbtrain"], runs["bare"]).state} if pairs_bare else {}),
+            **({"vs_trainer": statistics.median(pairs_trainer),
+                "pairs_trainer": [round(x, 4) for x in pairs_trainer],
+                "verdict_trainer": verdicts.speed(runs["nbtrain"], runs["trainer"]).state} if pairs_trainer else {}),
             **({"vs_sft_trainer": statistics.median(pairs_sft), "pairs_sft_trainer": [round(x, 4) for x in pairs_sft],
                 "verdict_sft_trainer": verdicts.speed(runs["nbtrain"], runs["sft"]).state} if pairs_sft else {}),
             "tokens_per_s": tps, "tokens_per_s_by_arm": {a: [round(x, 1) for x in v] for a, v in runs.items()},
@@ -146,10 +154,12 @@ def main(argv=None) -> dict:
             "model_flops_per_token": fpt, "mfu": mfu(fpt, tps, caps.peak_tflops, precision),
         })
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    meta["arms"], meta["nbtrain_chunked_loss"] = list(arms), args.chunked_loss
     res = {"machine": caps.name, "meta": meta, "rows": out_rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"real_model_{device}"
+    stem = f"real_model_{device}" + ("_chunked" if args.chunked_loss else "") + \
+        ("" if arms == ARMS else "_" + "-".join(a for a in arms if a != "nbtrain"))
     (out / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str))
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
@@ -166,6 +176,8 @@ def markdown(res: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     sft = [r for r in res["rows"] if "vs_sft_trainer" in r]
     for r in res["rows"]:
+        if "vs_bare" not in r or "vs_trainer" not in r:
+            continue
         lines.append(f"| {r['method']} | {r['precision']} | {r['tokens_per_s']:,.0f} | {r['vs_bare']:.3f} "
                      f"[{min(r['pairs_bare']):.3f}-{max(r['pairs_bare']):.3f}] | {r['vs_trainer']:.3f} "
                      f"[{min(r['pairs_trainer']):.3f}-{max(r['pairs_trainer']):.3f}] | {r['verdict_bare']} / "
@@ -173,10 +185,12 @@ def markdown(res: dict) -> str:
                      f"| {r['method']} | {r['precision']} | {r['tokens_per_s']:,.0f} | {r['vs_bare']:.3f} | "
                      f"{r['vs_trainer']:.3f} | {r['verdict_bare']} / {r['verdict_trainer']} | - |")
     if sft:
-        lines += ["", "TRL's SFTTrainer (trl " + str(res["meta"]["versions"].get("trl", "?")) + ") on the same batches:", "",
-                  "| method | precision | vs SFTTrainer | speed rule |", "|---|---|---|---|"]
-        lines += [f"| {r['method']} | {r['precision']} | {r['vs_sft_trainer']:.3f} [{min(r['pairs_sft_trainer']):.3f}-"
-                  f"{max(r['pairs_sft_trainer']):.3f}] | {r['verdict_sft_trainer']} |" for r in sft]
+        how = " (nbtrain with chunked_loss=True)" if m.get("nbtrain_chunked_loss") else ""
+        lines += ["", "TRL's SFTTrainer (trl " + str(m["versions"].get("trl", "?")) + f") on the same batches{how}:", "",
+                  "| method | precision | nbtrain tok/s | vs SFTTrainer | speed rule |", "|---|---|---|---|---|"]
+        lines += [f"| {r['method']} | {r['precision']} | {r['tokens_per_s']:,.0f} | {r['vs_sft_trainer']:.3f} "
+                  f"[{min(r['pairs_sft_trainer']):.3f}-{max(r['pairs_sft_trainer']):.3f}] | "
+                  f"{r['verdict_sft_trainer']} |" for r in sft]
     return "\n".join(lines) + "\n"
 
 

@@ -81,8 +81,9 @@ def test_dpo_full_frozen_copy_and_precomputed_agree(fake_pairs):
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo", "simpo"])
 def test_accumulation_is_pair_correct(fake_pairs, objective):
-    """micro 4 x 1 = 2 x 2 = 1 x 4: the same pairs per step, each counted once in the step's mean."""
-    runs = [run(objective=objective, micro_batch_size=m, grad_accum_steps=4 // m) for m in (4, 2, 1)]
+    """micro 8 x 1 = 2 x 4 = 1 x 8: the same pairs per step, each counted once in the step's mean (12 pairs: step 2
+    is a short one of 4, split 2 x 2 and 1 x 4)."""
+    runs = [run(objective=objective, micro_batch_size=m, grad_accum_steps=8 // m) for m in (8, 2, 1)]
     ref = runs[0].history
     for r in runs[1:]:
         for col in ("loss", "grad_norm", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"):
