@@ -18,6 +18,9 @@ from nbtrain.data.builtin import QA_SYSTEM, builtin_names, builtin_rows
 from nbtrain.data.loading import peek_format, split_indices
 from nbtrain.models.presets import preset_tokenizer
 
+from .test_chat_data import cfg_for as chat_cfg_for
+from .test_chat_data import write_jsonl
+
 SYS = "You are terse."
 Q1, A1 = "What does `pass` do?", "Nothing: it is a placeholder statement."
 Q2 = "And `break`?"
@@ -25,19 +28,14 @@ GOOD, BAD = "It leaves the innermost for or while loop.", "It raises SyntaxError
 
 
 def cfg_for(data, **kw):
-    kw.setdefault("eval_fraction", 0.0)
+    """test_chat_data's config, with a preference objective unless named."""
     kw.setdefault("objective", "dpo")
-    return nbt.TrainConfig(model="tiny", data=str(data), precision="fp32", **kw)
+    return chat_cfg_for(data, **kw)
 
 
 @pytest.fixture
 def tok():
     return preset_tokenizer("tiny")
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def lf_folder(folder, rows, entry):

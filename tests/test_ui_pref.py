@@ -4,7 +4,6 @@ values into and out of the TrainConfig, the config's errors under their fields, 
 flagged with a one-click fix, and the memory readout's reference copy."""
 
 import html
-import time
 
 import pytest
 
@@ -16,6 +15,8 @@ from nbtrain.ui.controls import BETA_LABEL, ORPO_LAMBDA_LABEL, Choice  # noqa: E
 from nbtrain.ui.form import OBJECTIVE_HINTS, PREF_BUILTIN  # noqa: E402
 from nbtrain.ui.panel import SECTIONS, Panel  # noqa: E402
 
+from .test_ui import wait_for  # noqa: E402
+
 PREF = {"model": "tiny", "data": PREF_BUILTIN, "subset": 8, "max_seq_len": 48, "micro_batch_size": 2,
         "eval_fraction": 0.0, "precision": "fp32", "lr": 1e-3, "max_steps": 2}
 
@@ -24,13 +25,6 @@ def pref(**kw) -> TrainConfig:
     return TrainConfig(**{**PREF, "objective": "dpo", **kw})
 
 
-def wait_for(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def shown(panel, field) -> bool:
