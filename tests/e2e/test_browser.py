@@ -337,6 +337,33 @@ def _kernels_idle_s(server: "JupyterServer") -> float | None:
     return (dt.datetime.now(dt.timezone.utc) - last).total_seconds()
 
 
+# What a widget output shows while the frontend has not drawn its view (@jupyter-widgets/jupyterlab-manager): the
+# model's state never arrived, or arrived after the output asked for it.
+_WIDGET_NOT_DRAWN = ("Loading widget...", "Error displaying widget")
+
+
+def widget_shown(cell, locator, what: str, timeout_s: float = 60) -> None:
+    """Until ``locator`` (a control of the widget that ``cell`` displays) is visible. When it never is, the failure
+    says what the cell's output shows; an output where the frontend drew no widget view at all (only
+    _WIDGET_NOT_DRAWN's placeholders, or nothing) after Run All ended is a FrontendStall, like a cell the page
+    never saw end (once, on 2 busy cores: the Panel's output stayed without its buttons for 30 s)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        locator.wait_for(state="visible", timeout=timeout_s * 1000)
+        return
+    except PlaywrightTimeout:
+        pass
+    out = cell.locator(".jp-OutputArea-output")
+    texts = [t.strip() for t in out.all_inner_texts()]
+    views = cell.locator(".jp-OutputArea-output .widget-button, .jp-OutputArea-output .widget-box").count()
+    said = (f"{what} not visible in {timeout_s:.0f} s; the cell's {len(texts)} output(s) show {texts!r:.1500} "
+            f"({views} widget view element(s) drawn)")
+    if views == 0 and all(not t or any(t.startswith(p) for p in _WIDGET_NOT_DRAWN) for t in texts):
+        raise FrontendStall(said)
+    raise AssertionError(said)
+
+
 def one_retry_on_stall(server: "JupyterServer", body) -> None:
     """``body()``, and once more after a FrontendStall, from a restarted kernel (the kernel-error record removed:
     Run All writes it afresh); any other failure, or a second stall, fails the test."""

@@ -37,7 +37,7 @@ from .kernel_errors import (RECORD_FILE, assert_only_canary, fire_canary, log_co
                             recorder_cell)
 from .test_browser import (_POINTS_PER_PANEL, ARTIFACTS, BROWSER_ARGS, CHROMIUM, KNOWN_UPSTREAM_ERRORS, PANELS, ROOT,
                            JupyterServer, _missing, _run_all, _wait_for_kernel, _wait_until_ran,
-                           kernel_stacks_on_failure, one_retry_on_stall)
+                           kernel_stacks_on_failure, one_retry_on_stall, widget_shown)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
@@ -240,7 +240,9 @@ def _comparison_results(lab):
             output = panel.locator(".jp-OutputArea-output").first
             output.evaluate(f"el => {{ el.style.width = '{OUTPUT_WIDTH_PX}px'; el.style.maxWidth = "
                             f"'{OUTPUT_WIDTH_PX}px'; el.style.flex = '0 0 {OUTPUT_WIDTH_PX}px'; }}")
-            button(panel, "Compare precisions").click()
+            compare = button(panel, "Compare precisions")
+            widget_shown(panel, compare, "the Panel's Compare button")
+            compare.click()
             status = panel.get_by_text(re.compile(r"^\s*done — ")).last
             expect(status).to_be_visible(timeout=240_000)
             table = panel.locator("table.nbt-compare-table")
@@ -282,7 +284,9 @@ def _comparison_results(lab):
             # -- 3. Stop during a comparison stops the comparison -------------------------------------------
             stopper = cell_of(4)
             stopper.scroll_into_view_if_needed()
-            button(stopper, "Compare precisions").click()
+            compare = button(stopper, "Compare precisions")
+            widget_shown(stopper, compare, "the second Panel's Compare button")
+            compare.click()
             stop = button(stopper, "Stop")
             expect(stop).to_be_enabled(timeout=30_000)
             # a few steps of the first variant, then Stop
@@ -381,6 +385,7 @@ def _panel_session(page, cell, button) -> list[str]:
     page.set_viewport_size(SCREEN)
     cell.scroll_into_view_if_needed()
     train, stop = button(cell, "Train"), button(cell, "Stop")
+    widget_shown(cell, train, "the session Panel's Train button")
     expect(train).to_be_enabled()
     expect(cell.locator(".nbtrain-settings")).to_be_visible()
     problems += _settings_problem(_layout(cell), folded=False, when="before Train")
