@@ -13,13 +13,19 @@ from nbtrain.compare import compare
 from nbtrain.data import DataError
 from nbtrain.models import ModelError
 
-from .helpers import Collect
+from .helpers import Collect, frozen_heap
 
 
 def small_cfg(**kw):
     base = dict(model="tiny", data="builtin:python-docs", subset=16, max_seq_len=16, micro_batch_size=8,
                 max_steps=1, eval_fraction=0.0, precision="fp32", lr=1e-3)
     return nbt.TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _frozen_heap():
+    """compare() collects garbage after every run: it walks what this module makes, not the worker's heap."""
+    yield from frozen_heap(survivors=True)
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ import nbtrain as nbt
 
 from .helpers import run_process
 
-# Each case in 3 fresh processes (10 each took 2 min of the suite; a start-up race shows in the first few).
-REPS = 3
+# Each case in 2 fresh processes (10 each took 2 min of the suite; a start-up race shows in the first few). The one
+# race seen so far (issue 16: a half-built transformers) is forced in compare_in_thread, so it shows in every process.
+REPS = 2
 
 # Each script is the first thing a fresh process does, in the order a notebook does it; it prints OK.
 FRESH = {
@@ -55,6 +56,13 @@ FRESH = {
         cfg = nbt.TrainConfig(model="tiny", max_steps=1, subset=16, eval_fraction=0, max_seq_len=32)
         t = threading.Thread(target=nbt.compare, args=(cfg,), kwargs=dict(precisions=("fp32",), warmup=False))
         t.start()
+        # The worst interleaving, every time: this thread's import starts once the other thread's has (at once
+        # when import nbtrain completed transformers, as it must); without that, the bug showed in 2 of 3 processes.
+        import sys
+        import time
+        deadline = time.monotonic() + 30
+        while "transformers" not in sys.modules and time.monotonic() < deadline:
+            time.sleep(0.0005)
         from transformers import AutoConfig  # noqa: F401
         t.join()
         print("OK")
@@ -66,14 +74,15 @@ FRESH = {
 # no nbtrain)
 # and forks one child per case. Each child is a fresh process as far as the race is concerned (transformers is
 # first imported there, on whichever thread gets to it first), runs its script and leaves through a normal
-# interpreter exit (atexit, finalisation of daemon threads); forking saves the ~3 s torch import 30 times.
+# interpreter exit (atexit, finalisation of daemon threads); forking saves the ~3 s torch import in every child.
 ZYGOTE = """
 import json, os, sys
-import numpy, pandas, torch, yaml, pydantic, psutil  # noqa: F401  (nothing here starts a thread)
+import gc, numpy, pandas, torch, yaml, pydantic, psutil  # noqa: F401  (nothing here starts a thread)
 try:   # capabilities() probes it; it does not import transformers, so the race stays the children's
     import bitsandbytes  # noqa: F401
 except Exception:
     pass
+gc.freeze()   # what is here stays: no child's collections (its exit's included) walk it and copy its pages
 jobs, out, parallel = json.loads(sys.argv[1]), sys.argv[2], 2
 live, status = {}, {}
 for name, code in jobs:
@@ -99,7 +108,7 @@ print(json.dumps(status))
 
 @pytest.mark.slow
 def test_fresh_process_starts_are_thread_safe_and_exit_cleanly(tmp_path):
-    """10 fresh processes per case: no import error, exit code 0, the stopped run finished before exit."""
+    """REPS fresh processes per case: no import error, exit code 0, the stopped run finished before exit."""
     jobs = []
     for rep in range(REPS):
         for case, body in FRESH.items():
