@@ -150,16 +150,6 @@ def fsdp_worker_runs(tmp_path_factory):
 _STARTED: list = []
 
 
-def pytest_collection_finish(session):
-    """What collection imported (torch, transformers, peft, every test module) lives to the end: move it to the
-    collector's permanent generation. compare() runs a full gc.collect() between runs (fair peak memory); in a
-    worker each one walked these ~500,000 objects (0.2 s apiece, every comparison run of the suite)."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def pytest_sessionstart(session):
     import time
 

@@ -67,9 +67,10 @@ def storage_bytes(tensors) -> int:
 
 
 def frozen_heap(survivors: bool = False):
-    """Body of a fixture (``yield from frozen_heap()``). compare() and the benchmark suite run a full
-    ``gc.collect()`` between runs (fair peak memory); in a test worker each one walks every object the worker
-    holds (every earlier test's imports and objects), which was most of the time of a comparison of tiny runs.
+    """Body of a fixture (``yield from frozen_heap()``). The benchmark suite runs a full ``gc.collect()`` between
+    rows (fair peak memory); in a test worker each one walks every object the worker holds (every earlier test's
+    imports and objects), which was most of the time of a suite of tiny rows. (compare() freezes what is older
+    than the comparison itself.)
     Here a full collection first, then all the process holds moves to the collector's permanent generation until
     the fixture ends, so a collection walks only what was made since; with ``survivors``, also what survived a
     full collection since (then a cycle of such objects that becomes garbage waits for the fixture's end: for tiny

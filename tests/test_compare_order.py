@@ -4,6 +4,7 @@ transformers' load report shown once per comparison."""
 
 import logging
 import math
+import weakref
 
 import pytest
 
@@ -13,19 +14,13 @@ from nbtrain.compare import compare
 from nbtrain.data import DataError
 from nbtrain.models import ModelError
 
-from .helpers import Collect, frozen_heap
+from .helpers import Collect
 
 
 def small_cfg(**kw):
     base = dict(model="tiny", data="builtin:python-docs", subset=16, max_seq_len=16, micro_batch_size=8,
                 max_steps=1, eval_fraction=0.0, precision="fp32", lr=1e-3)
     return nbt.TrainConfig(**{**base, **kw})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _frozen_heap():
-    """compare() collects garbage after every run: it walks what this module makes, not the worker's heap."""
-    yield from frozen_heap(survivors=True)
 
 
 @pytest.fixture
@@ -195,3 +190,61 @@ def test_cli_aa_times_the_copy(spy, tmp_path, capsys):
     copies = [c for c in spy if c["variant"] and "(A/A)" in c["variant"]]
     assert len(copies) == 2 and all(c["callbacks"] is None for c in copies)
     assert "fp32: the reference" in capsys.readouterr().out
+
+
+class _Cycle:
+    """Garbage only a full collection frees: it refers to itself."""
+
+    def __init__(self):
+        self.me = self
+
+
+class GcWatch:
+    """Per variant, at its run's start: the freeze count, and whether the cycle the previous variant's run left
+    was freed; each run leaves one cycle behind."""
+
+    def __init__(self):
+        self.seen = []
+        self.left = None
+
+    def on_run_start(self, info):
+        import gc
+
+        self.seen.append((info.variant, gc.get_freeze_count(), self.left is not None and self.left() is None))
+        left = _Cycle()
+        self.left = weakref.ref(left)
+
+
+def test_what_is_older_than_the_comparison_is_frozen_while_it_runs_and_its_garbage_still_goes():
+    """compare() collects garbage between runs (fair peak memory); what the process held before it is frozen for
+    the comparison, so that collection walks only what the comparison made, and it is unfrozen at the end. A run's
+    cyclic garbage is still freed before the next run starts."""
+    import gc
+
+    assert gc.get_freeze_count() == 0          # nothing in the test process froze objects
+    before = len(gc.get_objects())
+    watch = GcWatch()
+    compare(small_cfg(), variants={"A": {}, "B": {}}, callbacks=[watch], warmup=False)
+    (a, frozen_a, _), (b, frozen_b, freed) = watch.seen
+    assert (a, b) == ("A", "B")
+    # Everything older, frozen once for the comparison (a frozen object whose last reference goes is still freed, so
+    # the count only falls while it runs).
+    assert frozen_a >= before and frozen_a - 1000 < frozen_b <= frozen_a
+    assert freed                                         # A's cycle was gone before B started
+    assert gc.get_freeze_count() == 0                    # as before the comparison
+
+
+def test_a_process_that_froze_objects_itself_keeps_them_frozen():
+    import gc
+
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        newer = [[] for _ in range(20_000)]   # made after the caller's freeze: a second freeze would take them
+        watch = GcWatch()
+        compare(small_cfg(), variants={"A": {}, "B": {}}, callbacks=[watch], warmup=False)
+        assert newer and all(n <= mine for _, n, _ in watch.seen)   # compare froze nothing more
+        assert watch.seen[1][2]                                # and A's cycle was still freed
+        assert mine - 1000 < gc.get_freeze_count() <= mine    # nor did it unfreeze the caller's objects
+    finally:
+        gc.unfreeze()

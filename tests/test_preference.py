@@ -177,12 +177,28 @@ def test_nonfinite_reward_is_named_and_follows_the_policy(fake_pairs, monkeypatc
     assert r2.summary["stopped_reason"] == "nonfinite" and len(r2.history) == 2
 
 
-def test_logprob_mismatch_is_zero_in_fp32_and_positive_in_bf16(fake_pairs):
-    """fp32 recomputed in fp32 is the same computation; bf16 autocast moves the log-probs, and bf16-pure's
-    weights are lifted to fp32 for the check and put back bit for bit."""
+def test_logprob_mismatch_is_zero_in_fp32_and_positive_in_bf16(fake_pairs, monkeypatch):
+    """fp32 recomputed in fp32 is the same computation, so an fp32 run runs no extra forward for it (the premise
+    checked: two such forwards agree bit for bit); bf16 autocast moves the log-probs, and bf16-pure's weights are
+    lifted to fp32 for the check and put back bit for bit."""
+    from nbtrain.data import collate
+    from nbtrain.engine import preference
+    from nbtrain.precision import PRECISION_TABLE
+
+    forwards = []
+    real = preference.sequence_logps
+    monkeypatch.setattr(preference, "sequence_logps", lambda *a, **k: forwards.append(1) or real(*a, **k))
     fp32 = run(objective="dpo", method="lora")
     assert fp32.summary["logprob_mismatch"] == 0.0 and fp32.summary["logprob_mismatch_steps"] == 3
+    in_fp32 = len(forwards)
+    mb = collate(fake_pairs[:2], 0, "causal-lm", indices=(0, 1))
+    fp32.model.eval()
+    with torch.no_grad():
+        once, again = (real(fp32.model, mb, PRECISION_TABLE["fp32"], "cpu", keep_tokens=True)[2] for _ in range(2))
+    assert torch.equal(once, again)
+    forwards.clear()
     bf16 = run(objective="dpo", method="lora", precision="bf16")
+    assert len(forwards) - in_fp32 == 3 * 2            # only bf16 runs two more on each of its 3 sampled steps
     assert 0 < bf16.summary["logprob_mismatch"] < 1
     pure = run(objective="dpo", precision="bf16-pure", max_steps=2)
     assert pure.summary["logprob_mismatch"] > 0

@@ -13,7 +13,6 @@ import torch
 import nbtrain as nbt
 
 from .conftest import SMOLLM2, smollm2_ready
-from .helpers import frozen_heap
 from .test_chat_data import _independent_targets
 
 pytestmark = pytest.mark.slow
@@ -25,12 +24,6 @@ BASE = dict(model=SMOLLM2, data="builtin:python-docs", subset=2, max_seq_len=32,
 
 def cfg(**changes) -> nbt.TrainConfig:
     return nbt.TrainConfig(**{**BASE, **changes})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _frozen_heap():
-    """compare() collects garbage after every run: it walks what this module makes, not the worker's heap."""
-    yield from frozen_heap()
 
 
 class Snapshot:

@@ -19,8 +19,6 @@ from nbtrain import verdicts as V
 from nbtrain.compare import compare
 from nbtrain.engine import doctor
 
-from .helpers import frozen_heap
-
 
 def hist(loss, lr=None):
     steps = np.arange(1, len(loss) + 1)
@@ -34,12 +32,6 @@ REF = [7.60, 7.40, 7.20, 7.00, 6.85, 6.70, 6.60, 6.50]
 DIFF = [0.0, 0.15, -0.60, -0.72, -0.85, -0.80, -0.79, -0.78]
 SEED_1 = [7.65, 7.45, 7.28, 7.10, 6.95, 6.80, 6.72, 6.62]
 SEED_2 = [7.57, 7.36, 7.15, 6.93, 6.80, 6.66, 6.55, 6.46]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _frozen_heap():
-    """compare() collects garbage after every run: it walks what this module makes, not the worker's heap."""
-    yield from frozen_heap(survivors=True)
 
 
 @pytest.fixture

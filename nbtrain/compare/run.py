@@ -139,7 +139,7 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
         schedule.aa_notes.append("not run: it needs repeats >= 2")
         copy, schedule.aa_name = None, None
 
-    with _load_reports_once():
+    with _load_reports_once(), _older_objects_frozen():
         # "stopped" or "interrupted" once the user ends the whole comparison; later variants then never start.
         halted = _warm_up(runnable, stop) if warmup else None
         halted = _run_repeats(runnable, copy, wanted, repeats, callbacks, stop, halted, schedule,
@@ -491,6 +491,23 @@ def _stop_requested(stop) -> Optional[str]:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
+
+
+@contextlib.contextmanager
+def _older_objects_frozen():
+    """While the comparison runs, what the process held before it (its imports, the notebook's objects: often half a
+    million) sits in the collector's permanent generation, so the full collection after each run walks only what
+    the comparison made: the runs' own garbage is freed as before, in milliseconds instead of 0.2-0.5 s per run.
+    Nothing is frozen when something else already froze objects (``gc.freeze`` is one global state); at the end
+    it is as before, and a collection the process owes then runs as usual."""
+    mine = gc.get_freeze_count() == 0
+    if mine:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if mine:
+            gc.unfreeze()
 
 
 def _release_memory() -> None:
