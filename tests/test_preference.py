@@ -206,6 +206,24 @@ def test_logprob_mismatch_is_zero_in_fp32_and_positive_in_bf16(fake_pairs, monke
     assert run(max_steps=1).summary.get("logprob_mismatch") is None   # lm: not measured, not shown
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_measuring_the_mismatch_leaves_the_run_as_it_was(fake_pairs, monkeypatch, precision):
+    """The sampled steps' extra forwards (or, in fp32, none) change nothing the run does: with LoRA dropout on, the
+    losses, rewards and final weights equal those of a run that does not measure at all (train mode and the random
+    stream are as they were: an fp32 run once came out of its shortcut in eval mode and trained without dropout)."""
+    from nbtrain.engine import preference
+
+    kw = dict(objective="dpo", method="lora", lora_dropout=0.1, precision=precision)
+    measured = run(**kw)
+    monkeypatch.setattr(preference.PreferenceObjective, "_measure_mismatch", lambda self, mb: None)
+    plain = run(**kw)
+    cols = ["loss", "reward_chosen", "reward_rejected", "grad_norm"]
+    assert measured.history[cols].equals(plain.history[cols])
+    assert measured.summary["logprob_mismatch_steps"] == 3
+    for (n, a), (_, b) in zip(measured.model.named_parameters(), plain.model.named_parameters()):
+        assert torch.equal(a, b), n
+
+
 def test_preference_eval_and_lm_records(fake_pairs):
     """Evaluation scores the held-out pairs with the run's objective (loss per pair, ranking accuracy)."""
     r = run(objective="simpo")

@@ -236,8 +236,6 @@ class PreferenceObjective:
 
         st = self.st
         model = st.model
-        was = model.training
-        model.eval()
         low = [p for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32]
         if st.spec == PRECISION_TABLE["fp32"] and not low:
             # The run computes in fp32 on fp32 weights: the fp32 forward would repeat the run's exactly, so the
@@ -247,6 +245,8 @@ class PreferenceObjective:
             self._mismatch_steps += 1
             return
         dtypes = [p.dtype for p in low]
+        was = model.training
+        model.eval()
         try:
             run_tokens = sequence_logps(model, mb, st.spec, st.device, self.parts, keep_tokens=True)[2]
             for p in low:   # bf16 -> fp32 -> bf16 is exact, so the run's weights come back bit for bit
