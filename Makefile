@@ -30,8 +30,10 @@ demo: setup
 	$(BIN)/nbtrain demo
 
 # Two workers on two cores (pytest-xdist; a file's tests stay on one worker, so its module fixtures start once),
-# the 25 slowest tests listed, and this machine's tiny fp32 tok/s printed beside the suite's time.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile
+# the 25 slowest tests listed, and this machine's tiny fp32 tok/s printed beside the suite's time. Files go out in
+# conftest's order, longest first (xdist would otherwise send the files with the most tests first, and the long
+# notebook and browser files, with few tests each, last: one worker then ran alone for the final ~50 s).
+PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
 

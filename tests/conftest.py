@@ -17,14 +17,23 @@ if WORKERS > 1:
 torch.set_num_threads(max(1, 2 // WORKERS))
 
 
-# The longest files first (measured with --durations): xdist hands out files in collection order, so the long
-# ones start at once on both workers and the short ones fill in at the end, instead of one long file running
-# alone while the other worker idles.
-# test_memory_fsdp and test_real_model go last: they read the torchrun start-up test_fsdp's worker has made by then
-# (started together, one worker would wait on the other's lock).
-LONGEST_FIRST = ("test_notebooks", "test_notebooks_real", "test_distributed", "test_browser", "test_browser_results", "test_fsdp",
-                 "test_benchmarks", "test_isolation")
-LAST = ("test_memory_fsdp", "test_real_model")
+# The longest files first (seconds of one worker in a full run, 2026-12-03): with --no-loadscope-reorder (the
+# Makefile) xdist hands out files in collection order, so the long ones start at once on both workers and the
+# short ones fill in at the end, instead of one long file running alone while the other worker idles.
+# test_fsdp starts the torchrun start-up (conftest.fsdp_worker_runs, ~55 s) third, so that test_real_model's one
+# FSDP test (at its end) finds it made; test_memory_fsdp, its other reader, goes last (started together, one
+# worker would wait on the other's lock).
+LONGEST_FIRST = ("test_notebooks",          # 154
+                 "test_browser",            # 152
+                 "test_fsdp",               # 33 + the start-up
+                 "test_real_model",         # 84
+                 "test_notebooks_real",     # 81
+                 "test_distributed",        # 64
+                 "test_browser_results",    # 60
+                 "test_memory_real",        # 56
+                 "test_isolation",          # 20
+                 "test_benchmarks")         # 17
+LAST = ("test_memory_fsdp",)
 
 
 def pytest_collection_modifyitems(config, items):
