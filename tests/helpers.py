@@ -66,30 +66,18 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def frozen_heap(survivors: bool = False):
-    """Body of a fixture (``yield from frozen_heap()``). The benchmark suite runs a full ``gc.collect()`` between
-    rows (fair peak memory); in a test worker each one walks every object the worker holds (every earlier test's
-    imports and objects), which was most of the time of a suite of tiny rows. (compare() freezes what is older
-    than the comparison itself.)
-    Here a full collection first, then all the process holds moves to the collector's permanent generation until
-    the fixture ends, so a collection walks only what was made since; with ``survivors``, also what survived a
-    full collection since (then a cycle of such objects that becomes garbage waits for the fixture's end: for tiny
-    models only). Anything else is collected as before."""
+def frozen_heap():
+    """Body of a fixture (``yield from frozen_heap()``): a full collection, then all the process holds moves to the
+    collector's permanent generation until the fixture ends. The benchmark suite runs a full ``gc.collect()``
+    between rows (fair peak memory); in a test worker each would walk every earlier test's imports and objects.
+    (compare() freezes what is older than the comparison itself.)"""
     import gc
-
-    def freeze_survivors(phase, info):
-        if phase == "stop" and info["generation"] == 2:
-            gc.freeze()
 
     gc.collect()
     gc.freeze()
-    if survivors:
-        gc.callbacks.append(freeze_survivors)
     try:
         yield
     finally:
-        if survivors:
-            gc.callbacks.remove(freeze_survivors)
         gc.unfreeze()
 
 

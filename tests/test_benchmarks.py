@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(autouse=True, scope="module")
 def _frozen_heap():
     """The suite collects garbage before and after every row: it walks what this module makes, not the worker's heap."""
-    yield from frozen_heap(survivors=True)
+    yield from frozen_heap()
 
 
 @pytest.fixture(scope="module")
