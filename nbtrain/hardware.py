@@ -94,13 +94,12 @@ def _cpu_flags() -> set[str]:
 
 
 def _bitsandbytes_status(device: str) -> tuple[bool, str | None]:
+    """Whether bitsandbytes is installed. Only its presence is asked: importing it costs time and, on some CPUs,
+    a Hub lookup (nbtrain._logs.import_bitsandbytes), which a run that needs no QLoRA or 8-bit optimizer must never
+    pay; one that does imports it as it prepares, and a library that is there but does not load fails there, with
+    the import's error under the field that asked for it."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return False, "bitsandbytes is not installed (pip install bitsandbytes)"
-    # Its CPU backend's import-time note about an optional Hub kernel is dropped by nbtrain._logs.
-    try:
-        import bitsandbytes  # noqa: F401
-    except Exception as e:  # a broken native library raises all sorts of errors
-        return False, f"bitsandbytes does not load here: {type(e).__name__}: {e}"
     return True, None
 
 
@@ -149,9 +148,12 @@ def cpu_peak_tflops(threads: int) -> dict[str, float]:
     import time
 
     out: dict[str, float] = {}
+    # Its own generator: a run calls this as it prepares, outside its lock on the global RNG, so a draw from the
+    # global generator here would take numbers from whichever concurrent run holds it (its initial weights).
+    gen = torch.Generator().manual_seed(0)
     for key, dtype, n in (("fp32", torch.float32, 1024), ("bf16", torch.bfloat16, 1024), ("fp16", torch.float16, 512)):
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
+        a = torch.randn(n, n, generator=gen).to(dtype)
+        b = torch.randn(n, n, generator=gen).to(dtype)
         torch.mm(a, b)
         best = float("inf")
         for _ in range(3):

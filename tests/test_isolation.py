@@ -70,18 +70,15 @@ FRESH = {
 }
 
 
-# A zygote: a fresh interpreter that imports only torch, the scientific stack and bitsandbytes (no transformers,
-# no nbtrain)
-# and forks one child per case. Each child is a fresh process as far as the race is concerned (transformers is
-# first imported there, on whichever thread gets to it first), runs its script and leaves through a normal
-# interpreter exit (atexit, finalisation of daemon threads); forking saves the ~3 s torch import in every child.
+# A zygote: a fresh interpreter that imports only torch and the scientific stack (no transformers, no nbtrain,
+# no bitsandbytes) and forks one child per case. Each child is a fresh process as far as the race is concerned
+# (transformers is first imported there, on whichever thread gets to it first), runs its script and leaves through a
+# normal interpreter exit (atexit, finalisation of daemon threads); forking saves the ~3 s torch import in every
+# child. A child's stdout goes to NAME.log and its stderr to NAME.err.
 ZYGOTE = """
 import json, os, sys
 import gc, numpy, pandas, torch, yaml, pydantic, psutil  # noqa: F401  (nothing here starts a thread)
-try:   # capabilities() probes it; it does not import transformers, so the race stays the children's
-    import bitsandbytes  # noqa: F401
-except Exception:
-    pass
+exec(sys.argv[3] if len(sys.argv) > 3 else "")   # a prelude shared by every child (it must start no thread)
 gc.freeze()   # what is here stays: no child's collections (its exit's included) walk it and copy its pages
 jobs, out, parallel = json.loads(sys.argv[1]), sys.argv[2], 2
 live, status = {}, {}
@@ -92,8 +89,9 @@ for name, code in jobs:
     pid = os.fork()
     if pid == 0:
         fd = os.open(os.path.join(out, name + ".log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        err = os.open(os.path.join(out, name + ".err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        os.dup2(err, 2)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         exec(compile(code, name, "exec"), {"__name__": "__main__"})
@@ -106,6 +104,18 @@ print(json.dumps(status))
 """
 
 
+def _fork_cases(jobs, tmp_path, timeout=600, prelude=""):
+    """Run ``[(name, code)]`` in fresh children of one zygote (after ``prelude`` there, whose stderr must stay
+    empty); {name: (exit code, stdout, stderr)}."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    p = run_process([sys.executable, "-c", ZYGOTE, json.dumps(jobs), str(tmp_path), prelude], timeout, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not p.stderr, f"the zygote's prelude {prelude!r} wrote to stderr: {p.stderr[-2000:]!r}"
+    status = json.loads(p.stdout.strip().splitlines()[-1])
+    return {name: (status[name], (tmp_path / f"{name}.log").read_text(), (tmp_path / f"{name}.err").read_text())
+            for name, _ in jobs}
+
+
 @pytest.mark.slow
 def test_fresh_process_starts_are_thread_safe_and_exit_cleanly(tmp_path):
     """REPS fresh processes per case: no import error, exit code 0, the stopped run finished before exit."""
@@ -114,21 +124,140 @@ def test_fresh_process_starts_are_thread_safe_and_exit_cleanly(tmp_path):
         for case, body in FRESH.items():
             name = f"{case}-{rep}"
             jobs.append((name, f"OUT = {str(tmp_path / name)!r}\n" + textwrap.dedent(body)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = run_process([sys.executable, "-c", ZYGOTE, json.dumps(jobs), str(tmp_path)], 600, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    status = json.loads(p.stdout.strip().splitlines()[-1])
     failures = []
-    for name, _ in jobs:
-        text = (tmp_path / f"{name}.log").read_text()
-        ok = status[name] == 0 and "OK" in text and "Error" not in text and "terminate called" not in text
+    for name, (code, text, err) in _fork_cases(jobs, tmp_path).items():
+        text += err
+        ok = code == 0 and "OK" in text and "Error" not in text and "terminate called" not in text
         if ok and name.startswith("panel_train_stop_exit"):
             # Exit joined the stopped run: its end-of-run work (summary.json) happened.
             summary = tmp_path / name / "summary.json"
             ok = summary.is_file() and json.loads(summary.read_text())["stopped_reason"] == "stopped"
         if not ok:
-            failures.append(f"{name}: exit {status[name]}\n{text[-1500:]}")
+            failures.append(f"{name}: exit {code}\n{text[-1500:]}")
     assert not failures, f"{len(failures)} of {len(jobs)} fresh processes failed:\n" + "\n---\n".join(failures[:3])
+
+
+# Two runs started together, forced to overlap: while one run holds the process's RNG lock (its own random state
+# in torch's global generator: building its model, its steps), the lock is kept until the other run has done all
+# it can without it and waits for it. Whatever a run draws from the global generator outside its lock then takes
+# numbers from the other run's stream, every time (issue: the MFU probe's GEMM inputs, drawn as a run prepared,
+# changed the other run's initial weights in 2 of 3 processes). Then, in the same process, a solo run with the
+# same config, and what the process wrote to stderr and imported.
+OVERLAP = """
+import contextlib, json, sys, threading, time
+import nbtrain as nbt   # done in the zygote (its stderr checked there): each child starts from it
+from nbtrain.engine import rng as rngmod
+
+RUNS = 2
+cond = threading.Condition()
+waiting, runs, local = {}, set(), threading.local()
+
+
+def _others_waiting(me):
+    return len(runs) >= RUNS and all(waiting.get(t) or not t.is_alive() for t in runs if t is not me)
+
+
+def _hold_until_others_wait(me):
+    deadline = time.monotonic() + 20
+    with cond:
+        while not _others_waiting(me) and time.monotonic() < deadline:
+            cond.wait(0.02)
+
+
+orig_active, orig_init = rngmod.RunRng.active, rngmod.RunRng.__init__
+
+
+@contextlib.contextmanager
+def active(self):
+    me = threading.current_thread()
+    if me is threading.main_thread() or getattr(local, "inside", False):
+        with orig_active(self):
+            yield
+        return
+    with cond:
+        runs.add(me)
+        waiting[me] = True
+        cond.notify_all()
+    with orig_active(self):
+        with cond:
+            waiting[me] = False
+        _hold_until_others_wait(me)
+        local.inside = True
+        try:
+            yield
+        finally:
+            local.inside = False
+
+
+def init(self, *args, **kwargs):
+    me = threading.current_thread()
+    with cond:
+        if me is not threading.main_thread():
+            runs.add(me)
+            waiting[me] = True
+        cond.notify_all()
+    try:
+        orig_init(self, *args, **kwargs)
+    finally:
+        with cond:
+            waiting[me] = False
+
+
+rngmod.RunRng.active, rngmod.RunRng.__init__ = active, init
+cfg = nbt.TrainConfig(model="tiny", precision="fp32", seed=3, max_steps=3, subset=16, eval_fraction=0,
+                      max_seq_len=32)
+a, b = nbt.start(cfg), nbt.start(cfg)
+together = [a.wait().history["loss"].tolist(), b.wait().history["loss"].tolist()]
+rngmod.RunRng.active, rngmod.RunRng.__init__ = orig_active, orig_init
+solo = nbt.train(cfg).history["loss"].tolist()
+print(json.dumps({"together": together, "solo": solo, "bitsandbytes": "bitsandbytes" in sys.modules}))
+"""
+
+
+@pytest.mark.slow
+def test_two_starts_forced_to_overlap_equal_a_solo_run_in_10_fresh_processes(tmp_path):
+    """Two nbt.start(cfg) in a fresh process, forced to overlap during model construction and the first step,
+    each equal a solo nbt.train(cfg) loss for loss, in 10 of 10 processes; and the process (import nbtrain, in
+    the zygote, and three tiny fp32 runs, offline) wrote nothing to stderr and never imported bitsandbytes. The
+    children fork from a zygote that imported nbtrain (no thread is running then): 10 x the import was ~45 s."""
+    jobs = [(f"overlap-{i}", OVERLAP) for i in range(10)]
+    failures = []
+    for name, (code, text, err) in _fork_cases(jobs, tmp_path, prelude="import nbtrain").items():
+        if code != 0 or not text.strip():
+            failures.append(f"{name}: exit {code}\n{(text + err)[-1500:]}")
+            continue
+        out = json.loads(text.strip().splitlines()[-1])
+        if out["together"] != [out["solo"], out["solo"]]:
+            failures.append(f"{name}: together {out['together']} != solo {out['solo']}")
+        if err:
+            failures.append(f"{name}: wrote to stderr: {err[-800:]!r}")
+        if out["bitsandbytes"]:
+            failures.append(f"{name}: imported bitsandbytes (no QLoRA, no 8-bit optimizer)")
+    assert not failures, f"{len(failures)} problem(s) in 10 processes:\n" + "\n".join(failures[:6])
+
+
+QLORA_OFFLINE = """
+import json, sys
+import nbtrain as nbt
+from nbtrain._logs import bitsandbytes_loaded
+r = nbt.train(nbt.TrainConfig(model="tiny", method="qlora", precision="bf16", max_steps=2, subset=16, eval_fraction=0,
+                              max_seq_len=32))
+layer = type(r.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__
+print(json.dumps({"loss": r.history["loss"].tolist(), "layer": layer, "loaded": bitsandbytes_loaded()}))
+"""
+
+
+@pytest.mark.slow
+def test_qlora_offline_trains_with_no_hub_lookup_on_stderr(tmp_path):
+    """QLoRA offline (HF_HUB_OFFLINE=1) in a fresh process: bitsandbytes loads (its own CPU kernel where the Hub's
+    is out of reach), the 4-bit layers train, and nothing about a Hub kernel or its publisher reaches stderr."""
+    (code, text, err), = _fork_cases([("qlora", QLORA_OFFLINE)], tmp_path, prelude="import nbtrain").values()
+    assert code == 0, text + err
+    out = json.loads(text.strip().splitlines()[-1])
+    assert out["layer"] == "Linear4bit" and out["loaded"]
+    assert all(v == v and abs(v) < 100 for v in out["loss"]), out
+    for needle in ("kernels-community", "publisher trust", "Hugging Face Hub", "gemm_4bit_forward"):
+        assert needle not in err, err
 
 
 def _lora(seed: int) -> nbt.TrainConfig:

@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .._logs import import_bitsandbytes
 from ..config import TrainConfig
 
 # SGD's momentum (the only one nbtrain offers; LLaMA-Factory's and the HF Trainer's "sgd" take the same default
@@ -120,7 +121,7 @@ def adamw_fused(params, device: str) -> bool:
 def _bnb(name: str):
     def build(cfg: TrainConfig, params, device: str):
         try:
-            import bitsandbytes as bnb
+            bnb = import_bitsandbytes()
         except Exception as e:   # not installed, or its native library does not load
             raise ImportError(f"optimizer: {cfg.optimizer!r} needs bitsandbytes (pip install bitsandbytes): "
                               f"{type(e).__name__}: {e}") from None

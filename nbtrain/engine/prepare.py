@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from .._logs import defers_bitsandbytes
+from .schedules import make_scheduler
 from ..config import TrainConfig
 from ..data import DataBundle, collate, load_data, steps_per_epoch
 from ..data.chat import describe_template, ensure_chat_tokens
@@ -86,6 +88,7 @@ class RunState:
     restore: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 
+@defers_bitsandbytes
 def prepare(cfg: TrainConfig, callbacks=None, variant: Optional[str] = None, hash_init: bool = False,
             device: Optional[str] = None) -> RunState:
     """Build everything the loop needs; raises (ConfigError, DataError, ModelError, CheckpointError) before any
@@ -202,14 +205,9 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
     optimizer = build_optimizer(cfg, params, device)
     per_epoch = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
     total_steps = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
-    # The HF Trainer's own schedules. Imported here: transformers.optimization pulls in peft and bitsandbytes
-    # (~4 s), which `import nbtrain` and a config must not pay.
-    from transformers.optimization import get_scheduler
-
-    # transformers' "constant" ignores warm-up; its warm-up variant is the same schedule with it.
-    schedule = "constant_with_warmup" if cfg.scheduler == "constant" and cfg.warmup_steps else cfg.scheduler
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
-                              num_training_steps=total_steps)
+    # The HF Trainer's schedules, step for step (engine/schedules.py; transformers.optimization would import peft
+    # and, through it, bitsandbytes into every run).
+    scheduler = make_scheduler(cfg.scheduler, optimizer, cfg.warmup_steps, total_steps)
     scaler = dist.make_scaler(spec, device)   # disabled (a no-op) unless the precision needs loss scaling
 
     info = RunInfo(config=cfg, precision_used=precision, device=device, device_name=caps.name,

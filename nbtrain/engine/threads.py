@@ -19,12 +19,14 @@ import importlib
 import threading
 from typing import Callable, Optional
 
+from .._logs import deferred_bitsandbytes, import_bitsandbytes
+
 _done: set[str] = set()
 _import_lock = threading.Lock()
 
 # Attributes of transformers that nbtrain resolves; resolving them imports their submodules here, not later.
 _TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "AutoModelForCausalLM",
-                       "AutoModelForSequenceClassification", "PreTrainedModel", "get_scheduler")
+                       "AutoModelForSequenceClassification", "PreTrainedModel")
 _NBTRAIN_MODULES = ("nbtrain.data", "nbtrain.models", "nbtrain.models.lean", "nbtrain.memory",
                     "nbtrain.engine.loop")
 
@@ -53,7 +55,7 @@ def complete_imports(cfg=None) -> None:
         if cfg is not None:
             if getattr(cfg, "method", "full") in ("lora", "qlora"):
                 optional.append("peft")
-            if getattr(cfg, "method", "full") == "qlora":
+            if getattr(cfg, "method", "full") == "qlora" or "8bit" in str(getattr(cfg, "optimizer", "")):
                 optional.append("bitsandbytes")
             if not str(getattr(cfg, "data", "builtin:")).startswith("builtin:"):
                 optional.append("datasets")
@@ -61,7 +63,11 @@ def complete_imports(cfg=None) -> None:
             optional += [{"tensorboard": "torch.utils.tensorboard"}.get(t, t) for t in getattr(cfg, "report_to", ())]
         for name in optional:
             try:
-                _import(name)
+                if name == "bitsandbytes":   # loaded the way a run loads it: no Hub kernel lookup
+                    import_bitsandbytes()
+                else:
+                    with deferred_bitsandbytes():   # peft's own import of it stays unrun until used
+                        _import(name)
             except ImportError:
                 pass
 

@@ -16,6 +16,7 @@ docs/memory-model.md derives the terms.
 
 from __future__ import annotations
 
+from .._logs import defers_bitsandbytes
 from ..config import TrainConfig
 from .advice import advise, min_world_size, oom_advice
 from .estimate import Advice, MemoryEstimate, check_estimable, estimate_once, target
@@ -29,6 +30,7 @@ __all__ = ["Advice", "EstimateReport", "MemoryEstimate", "estimate_html", "estim
 format_estimate = estimate_text
 
 
+@defers_bitsandbytes
 def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, device: str | None = None,
                     target_fraction: float | None = None, data=None, world_size: int = 1) -> MemoryEstimate:
     """Estimate the memory one training step of ``cfg`` needs, from the model config alone.

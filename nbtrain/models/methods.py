@@ -8,10 +8,12 @@ GradScaler refuse to unscale their gradients.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 
 import torch
 
+from .._logs import bitsandbytes_loaded, import_bitsandbytes
 from ..precision import active_autocast_dtype
 from .loading import CAUSAL_LM, CLASSIFIERS, IMG_CLS, SEQ_CLS, ModelError, head_module_names, \
     linear_module_names, load_base_model
@@ -144,8 +146,40 @@ def apply_lora(model: torch.nn.Module, cfg, task: str, new_ids: list[int] | None
         # with a frozen embedding nothing before the first checkpointed block needs a gradient;
         # marking the embedding output keeps the recomputed blocks in the graph with any checkpoint style
         model.enable_input_require_grads()
-    with quiet_peft():
+    with quiet_peft(), _peft_without_bitsandbytes():
         return get_peft_model(model, lcfg)
+
+
+@contextlib.contextmanager
+def _peft_without_bitsandbytes():
+    """peft's LoRA dispatch imports bitsandbytes whenever it is installed, to test each layer against its
+    quantised classes. A model can hold such a layer only once bitsandbytes is imported (QLoRA imports it first),
+    so until then peft is told it is absent: plain LoRA never imports it. peft's own cache is left alone; the lock
+    keeps a concurrent QLoRA run's dispatch from seeing the patched answer."""
+    with _PEFT_LOCK:
+        try:
+            from peft.tuners.lora import model as lora_model
+        except ImportError:   # another peft layout: it imports what it imports
+            lora_model = None
+        if bitsandbytes_loaded() or lora_model is None:
+            yield
+            return
+        names = [n for n in ("is_bnb_available", "is_bnb_4bit_available") if hasattr(lora_model, n)]
+        saved = {n: getattr(lora_model, n) for n in names}
+        for n in names:
+            setattr(lora_model, n, _absent)
+        try:
+            yield
+        finally:
+            for n, f in saved.items():
+                setattr(lora_model, n, f)
+
+
+def _absent() -> bool:
+    return False
+
+
+_PEFT_LOCK = threading.RLock()
 
 
 def method_notes(model: torch.nn.Module) -> list[str]:
@@ -197,10 +231,9 @@ def autocast_quantized_inputs(model: torch.nn.Module) -> int:
     ``nn.Linear``. bitsandbytes computes in its compute dtype (the autocast dtype here) but returns the
     input's dtype, so with the fp32 residual stream every activation after a 4-bit layer (the whole MLP, q/k/v)
     was fp32: QLoRA held twice LoRA's activation memory. The matmul itself is unchanged. Returns the count."""
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:
+    if not bitsandbytes_loaded():   # no 4-bit layer can exist before it is imported
         return 0
+    from bitsandbytes.nn import Linear4bit
     n = 0
     for module in model.modules():
         if isinstance(module, Linear4bit):
@@ -251,6 +284,11 @@ def build_model(cfg, tokenizer, num_labels: int | None, precision: str, device: 
     if task not in (CAUSAL_LM, *CLASSIFIERS):
         raise ModelError(f"task: must be {CAUSAL_LM!r}, {SEQ_CLS!r} or {IMG_CLS!r}, got {task!r}")
     if cfg.method == "qlora":
+        try:   # here, before transformers' quantizer imports it its own way (with the Hub kernel lookup)
+            import_bitsandbytes()
+        except Exception as e:   # not installed, or its native library does not load
+            raise ModelError(f"method: 'qlora' needs bitsandbytes (pip install bitsandbytes), which does not load "
+                             f"here: {type(e).__name__}: {e}; use method='lora'") from None
         skip = None
         if task in CLASSIFIERS:   # the new head stays unquantised (it trains whole)
             from .loading import meta_model

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 from transformers import TrainingArguments, get_scheduler
 
+from ..._logs import defers_bitsandbytes
 from ...config import TrainConfig
 from ...hardware import default_device, resolve_precision
 from ...models.loading import ModelError, head_module_names, meta_model
@@ -164,6 +165,7 @@ def training_arguments_notes(cfg: TrainConfig) -> dict[str, str]:
     return notes
 
 
+@defers_bitsandbytes
 def to_training_arguments(cfg: TrainConfig, output_dir: Optional[str] = None, **overrides: Any):
     """A ``transformers.TrainingArguments`` for ``cfg``; ``overrides`` are passed on as-is.
 
@@ -227,8 +229,9 @@ def nbtrain_optimizer_and_scheduler(cfg: TrainConfig, model, total_steps: int):
         opt = Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, scale_parameter=False, relative_step=False,
                         warmup_init=False)
     else:   # bitsandbytes' 8-bit AdamW (paged or not) with torch's defaults, as nbtrain builds it
-        import bitsandbytes as bnb
+        from ..._logs import import_bitsandbytes
 
+        bnb = import_bitsandbytes()
         cls = bnb.optim.PagedAdamW8bit if cfg.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
         opt = cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return opt, get_scheduler(hf_scheduler(cfg), opt, num_warmup_steps=cfg.warmup_steps,
