@@ -146,14 +146,14 @@ def import_bitsandbytes():
     with _BNB_LOCK:
         mod = sys.modules.get("bitsandbytes")
         if mod is None:
-            with _DEFER_ONCE():
+            with _defer_once():
                 import bitsandbytes as mod
-        mod.__name__   # a deferred module runs here, on this thread, once
+        _ = mod.__name__   # a deferred module runs here, on this thread, once
     return mod
 
 
 @contextlib.contextmanager
-def _DEFER_ONCE():
+def _defer_once():
     if _DEFER in sys.meta_path:
         yield
         return
