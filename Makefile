@@ -8,7 +8,7 @@ PIP_TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nbtrain-setup
 
-.PHONY: setup demo test test-fast lab bench clean lock upgrade-check
+.PHONY: setup demo test test-fast lab bench clean lock upgrade-check docs
 
 # The exact set the suite last passed with (requirements-lock.txt, written by `make lock`), every package at its
 # locked version with --no-deps, so no upstream release changes what a fresh clone installs; then this checkout,
@@ -49,6 +49,11 @@ lab: setup
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 
+# The documentation site in site/, offline: the pages of docs/, the API reference from the docstrings, and every
+# notebook executed now with its outputs (plotly figures interactive, plotly.js served from the site); a few minutes.
+docs: setup
+	$(BIN)/python tools/build_docs.py
+
 # Re-lock: the newest versions pyproject.toml's ranges allow, in a throwaway environment (.venv-newest); the whole
 # suite there; requirements-lock.txt rewritten only if it passes. Prints which packages moved (old -> new).
 lock:
@@ -60,4 +65,4 @@ upgrade-check:
 	$(PYTHON) tools/lock.py check --torch-spec "$(TORCH_SPEC)" --torch-args "$(PIP_TORCH_ARGS)"
 
 clean:
-	rm -rf $(VENV) .venv-newest .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-newest .pytest_cache build site *.egg-info

@@ -32,6 +32,7 @@ LONGEST_FIRST = ("test_notebooks",          # 154
                  "test_browser_results",    # 60
                  "test_memory_real",        # 56
                  "test_isolation",          # 20
+                 "test_docs_site",          # 30: one notebook executed, the site built, three pages in Chromium
                  "test_benchmarks")         # 17
 LAST = ("test_memory_fsdp",)
 

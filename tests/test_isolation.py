@@ -43,13 +43,6 @@ FRESH = {
         p.stop_button.click()
         print("OK")
     """,
-    "two_starts": """
-        import nbtrain as nbt
-        cfg = nbt.TrainConfig(model="tiny", max_steps=2, subset=16, eval_fraction=0, max_seq_len=32)
-        a, b = nbt.start(cfg), nbt.start(cfg.replace(seed=1))
-        a.wait(); b.wait()
-        print("OK")
-    """,
     "compare_in_thread": """
         import threading
         import nbtrain as nbt
@@ -204,7 +197,7 @@ def init(self, *args, **kwargs):
 
 
 rngmod.RunRng.active, rngmod.RunRng.__init__ = active, init
-cfg = nbt.TrainConfig(model="tiny", precision="fp32", seed=3, max_steps=3, subset=16, eval_fraction=0,
+cfg = nbt.TrainConfig(model="tiny", precision="fp32", seed=3, max_steps=2, subset=16, eval_fraction=0,
                       max_seq_len=32)
 a, b = nbt.start(cfg), nbt.start(cfg)
 together = [a.wait().history["loss"].tolist(), b.wait().history["loss"].tolist()]
