@@ -76,9 +76,14 @@ def build_newest(venv: Path, torch_spec: str, torch_args: list[str]) -> Path:
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.check_call([sys.executable, "-m", "venv", str(venv)])
     py = venv / "bin" / "python"
+    # torch stays the set-up step's build: an eager upgrade would otherwise replace the CPU wheel with the newest
+    # build on the index (a CUDA one, gigabytes, with its nvidia-* packages)
+    keep_torch = venv / "torch-constraint.txt"
+    keep_torch.write_text(torch_spec + "\n")
     pip = [str(py), "-m", "pip", "install", "-q"]
     for cmd in ([*pip, "--upgrade", "pip"], [*pip, torch_spec, *torch_args],
-                [*pip, "--upgrade", "--upgrade-strategy", "eager", "-e", ".[dev]"],
+                [*pip, "--upgrade", "--upgrade-strategy", "eager", "-c", str(keep_torch), *torch_args,
+                 "-e", ".[dev]"],
                 [*pip, "--upgrade", "--no-deps", *NO_DEPS]):
         if _run(cmd) != 0:
             sys.exit(f"tools/lock.py: {' '.join(cmd[3:])} failed in {venv}")
