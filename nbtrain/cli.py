@@ -120,7 +120,7 @@ def cmd_export(args) -> int:
     return 0
 
 
-REAL_MODEL_NOTEBOOK = "notebooks/10_real_model_precisions.ipynb"
+REAL_MODEL_NOTEBOOK = "notebooks/07_real_model_precisions.ipynb"
 
 
 def demo_config() -> TrainConfig:

@@ -21,10 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 CONFIGS = NOTEBOOKS / "configs"
 ARTIFACTS = ROOT / "test-artifacts" / "notebooks"
+CHECKS = Path(__file__).resolve().parent / "notebook_checks"
+MAX_ASSERTS = 6   # a notebook keeps a few "check yourself" assertions; the library's checks are in CHECKS
 
+# the course, in the order it is taught; the appendices (A1, A2) stand on their own
 EXPECTED = ["01_quickstart", "02_gradient_accumulation", "03_mixed_precision", "04_compare_precisions",
-            "05_lora_qlora_memory", "06_hf_trainer_dashboard", "07_image_classification", "08_instruction_tuning",
-            "09_precision_of_every_tensor", "10_real_model_precisions", "11_preference_tuning"]
+            "05_precision_of_every_tensor", "06_lora_qlora_memory", "07_real_model_precisions",
+            "08_instruction_tuning", "09_preference_tuning", "10_troubleshooting",
+            "A1_hf_trainer_dashboard", "A2_image_classification"]
 CONFIG_FILES = ["tiny.yaml", "minilm-lora.yaml", "qwen2.5-0.5b-qlora.yaml"]
 CELL_TIMEOUT_S = 600
 
@@ -59,17 +63,55 @@ def test_notebook_is_stripped(path):
         assert "execution" not in cell.metadata, f"{path.name}: cell {i} has execution timings"
 
 
+def _asserts(source: str) -> int:
+    return len(re.findall(r"^\s*assert ", source, flags=re.M))
+
+
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p.stem)
-def test_notebook_asserts_its_claims(path):
-    """Every notebook checks itself: its code cells hold assertions (a wrong claim fails the notebook)."""
+def test_notebook_asserts_a_few_claims_that_teach(path):
+    """A notebook holds a few assertions a learner reads as "check yourself" (at least one, at most
+    MAX_ASSERTS); the checks of the library live in tests/notebook_checks/<name>.py, run in the same kernel."""
     nb = nbformat.read(path, as_version=4)
     source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    assert len(re.findall(r"^\s*assert ", source, flags=re.M)) >= 5
+    assert 1 <= _asserts(source) <= MAX_ASSERTS, f"{path.name}: {_asserts(source)} asserts"
     compile(source, path.name, "exec")   # plain Python: no magics, so it also runs as a script
 
 
+def checks_of(path: Path) -> list[tuple[str, str]]:
+    """(cell id, code) pairs of tests/notebook_checks/<stem>.py: each ``# %% after: <cell id>`` block runs in the
+    notebook's kernel right after that cell."""
+    file = CHECKS / f"{path.stem}.py"
+    if not file.exists():
+        return []
+    blocks = re.split(r"^# %% after: *(\S+) *$", file.read_text(), flags=re.M)
+    assert not blocks[0].strip() or blocks[0].lstrip().startswith(('"""', "#")), \
+        f"{file.name}: code before the first '# %% after: <cell id>' line"
+    return [(blocks[i], blocks[i + 1].strip("\n")) for i in range(1, len(blocks), 2)]
+
+
+def with_checks(nb, path: Path):
+    """``nb`` with the library checks of tests/notebook_checks inserted after their cells (tagged ``check``)."""
+    ids = [c.get("id") for c in nb.cells]
+    for cell_id, code in reversed(checks_of(path)):
+        assert cell_id in ids, f"notebook_checks/{path.stem}.py: no cell with id {cell_id!r} in {path.name}"
+        cell = nbformat.v4.new_code_cell(code)
+        cell.metadata["tags"] = ["check"]
+        nb.cells.insert(ids.index(cell_id) + 1, cell)
+    return nb
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.stem)
+def test_notebook_checks_name_cells_that_exist(path):
+    nb = nbformat.read(path, as_version=4)
+    checks = checks_of(path)
+    for cell_id, code in checks:
+        assert cell_id in [c.get("id") for c in nb.cells], f"{path.stem}.py: no cell {cell_id!r}"
+        compile(code, f"notebook_checks/{path.stem}.py", "exec")
+    with_checks(nb, path)
+
+
 # executed by tests/test_notebooks_real.py instead: a second file, so the other xdist worker runs it beside this one
-SEPARATE = ("11_preference_tuning",)
+SEPARATE = ("09_preference_tuning",)
 
 
 @pytest.mark.slow
@@ -90,7 +132,7 @@ def run_notebook(path: Path) -> None:
         # one run of these per suite: Run All in JupyterLab makes the same checks (no error, no stderr box) and more
         pytest.skip(f"{path.name} runs in JupyterLab under Chromium instead: tests/e2e/test_browser.py::"
                     f"{in_browser[path.name]} (here only where there is no browser)")
-    nb = nbformat.read(path, as_version=4)
+    nb = with_checks(nbformat.read(path, as_version=4), path)
     start = time.monotonic()
     try:
         _execute(nb, NOTEBOOKS)
@@ -240,6 +282,10 @@ if __name__ == "__main__":   # run one notebook by hand: python tests/test_noteb
         for p in _paths():
             if p.stem.startswith(arg):
                 t = time.monotonic()
-                nb = nbformat.read(p, as_version=4)
-                _execute(nb, NOTEBOOKS)
+                nb = with_checks(nbformat.read(p, as_version=4), p)
+                try:
+                    _execute(nb, NOTEBOOKS)
+                finally:
+                    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+                    nbformat.write(nb, ARTIFACTS / p.name)
                 print(f"{p.name}: ok in {time.monotonic() - t:.0f} s")

@@ -232,6 +232,14 @@ class JupyterServer:
 NOTEBOOK7_CELLS = 4
 
 
+def _with_checks(nb: dict, name: str) -> dict:
+    import nbformat
+
+    from ..test_notebooks import with_checks
+
+    return with_checks(nbformat.from_dict(nb), ROOT / "notebooks" / name)
+
+
 @pytest.fixture(params=["lab", "notebook"], ids=["jupyterlab", "notebook7"])
 def server(request, tmp_path):
     from .kernel_errors import RECORD_FILE, recorder_cell
@@ -241,6 +249,8 @@ def server(request, tmp_path):
     if request.param == "notebook":
         nb["cells"] = nb["cells"][:NOTEBOOK7_CELLS]
         assert "nbt.Panel(" in "".join(nb["cells"][-1]["source"]), "the quickstart's Panel cell moved"
+    else:   # Run All runs the notebook's library checks too (tests/notebook_checks), as the headless run would
+        nb = _with_checks(nb, NOTEBOOK)
     # first, the recorder of the kernel's errors outside the cells (tests/e2e/kernel_errors.py)
     nb["cells"].insert(0, {"cell_type": "code", "id": "e2e-kernel-errors", "metadata": {}, "outputs": [],
                            "execution_count": None, "source": recorder_cell(srv.root / RECORD_FILE)})
@@ -504,7 +514,7 @@ def lab_real_model(tmp_path):
     from .kernel_errors import RECORD_FILE, recorder_cell
 
     srv = JupyterServer("lab", tmp_path, REAL_MODEL_NOTEBOOK)
-    nb = json.loads((srv.root / REAL_MODEL_NOTEBOOK).read_text())
+    nb = _with_checks(json.loads((srv.root / REAL_MODEL_NOTEBOOK).read_text()), REAL_MODEL_NOTEBOOK)
     nb["cells"].insert(0, {"cell_type": "code", "id": "e2e-kernel-errors", "metadata": {}, "outputs": [],
                            "execution_count": None, "source": recorder_cell(srv.root / RECORD_FILE)})
     (srv.root / REAL_MODEL_NOTEBOOK).write_text(json.dumps(nb))

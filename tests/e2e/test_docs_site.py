@@ -13,7 +13,7 @@ import pytest
 from .test_browser import BROWSER_ARGS, CHROMIUM, ROOT, _missing
 
 # A short notebook that draws a plotly figure (the static one a headless LiveDashboard leaves)
-NOTEBOOK = "06_hf_trainer_dashboard"
+NOTEBOOK = "A1_hf_trainer_dashboard"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
