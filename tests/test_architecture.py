@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent / "nbtrain"
 # "runs back up". viz/ and ui/ sit on top; a method that draws imports them inside itself (DESIGN rule 1) and is
 # not counted.
 FLOORS = [
-    ("nbtrain.config", "nbtrain.hardware", "nbtrain.precision", "nbtrain.hub", "nbtrain._version", "nbtrain._logs"),
+    ("nbtrain.config", "nbtrain.hardware", "nbtrain.precision", "nbtrain.hub", "nbtrain._version", "nbtrain._logs",
+     "nbtrain.course"),
     ("nbtrain.data", "nbtrain.models"),
     ("nbtrain.memory", "nbtrain.integrations.exports"),
     ("nbtrain.engine",),
