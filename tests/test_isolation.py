@@ -253,6 +253,27 @@ def test_qlora_offline_trains_with_no_hub_lookup_on_stderr(tmp_path):
         assert needle not in err, err
 
 
+SAVE = """
+import json, sys, tempfile
+import nbtrain as nbt
+r = nbt.train(nbt.TrainConfig(model="tiny", subset=16, max_seq_len=16, max_steps=1, eval_fraction=0.0,
+                              precision="fp32", micro_batch_size=4))
+r.save(tempfile.mkdtemp(prefix="nbt-save-"))
+from nbtrain._logs import bitsandbytes_loaded
+print(json.dumps({"executed": bitsandbytes_loaded()}))
+"""
+
+
+def test_saving_a_model_reaches_no_hub_and_writes_no_note(tmp_path):
+    """result.save() in a fresh process, offline: save_pretrained's import of bitsandbytes (through peft and
+    transformers' quantizers) stays lazy, so no Hub kernel lookup and no fallback note reach stderr."""
+    (code, text, err), = _fork_cases([("save", SAVE)], tmp_path, prelude="import nbtrain").values()
+    assert code == 0, text + err
+    for needle in ("kernels-community", "publisher trust", "gemm_4bit_forward"):
+        assert needle not in err, err
+    assert json.loads(text.strip().splitlines()[-1]) == {"executed": False}
+
+
 def _lora(seed: int) -> nbt.TrainConfig:
     # LoRA: its init and its dropout both draw random numbers, so interleaved runs would differ.
     return nbt.TrainConfig(model="tiny", subset=48, max_seq_len=32, micro_batch_size=4, max_steps=6,

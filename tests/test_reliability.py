@@ -62,6 +62,19 @@ def test_healthy_run_has_no_error_findings(tiny_cfg):
     assert 0.0 <= r.summary["grad_fp16_underflow_share"] <= 1.0
 
 
+def test_fp16_underflow_is_information_and_fits_the_run():
+    """Tiny gradients are no fault of an fp32 or bf16 run: an "info" note for fp16, whose scaler (if on) handles them."""
+    import pandas as pd
+
+    from nbtrain.engine.doctor import diagnose
+
+    for scale, says in ((float("nan"), "not in fp16"), (65536.0, "keep the GradScaler on (it scales")):
+        h = pd.DataFrame({"step": [1, 2], "loss": [2.0, 1.9], "scale": [scale, scale], "skipped": [False, False],
+                          "nonfinite": [False, False], "lr": [1e-3, 1e-3], "grad_norm": [1.0, 1.0]})
+        f = {f.kind: f for f in diagnose(h, {"grad_fp16_underflow_share": 0.3})}["fp16_underflow"]
+        assert f.severity == "info" and says in f.message + f.advice[0], (f.message, f.advice)
+
+
 def test_scan_fp16_overflow_names_the_module(tiny_cfg):
     from nbtrain.models import build_model, load_tokenizer
 

@@ -95,10 +95,14 @@ def diagnose(history, summary: dict, cfg=None) -> list[Finding]:
                                  _advice(cfg, scaler=bool(scaler))[1:] or ["lower the learning rate"], k))
     share = summary.get("grad_fp16_underflow_share")
     if share is not None and share > 0.05:
-        found.append(Finding("fp16_underflow", "warning" if not scaler else "info",
+        # information, not a fault: fp16 runs have their GradScaler, and other runs are not in fp16 at all
+        found.append(Finding("fp16_underflow", "info",
                              f"{share:.0%} of sampled non-zero gradient elements are below fp16's smallest normal "
-                             f"({FP16_MIN_NORMAL:.2e}): they would flush to zero in fp16 without loss scaling",
-                             {"share": share}, _advice(cfg, scaler=True)))
+                             f"({FP16_MIN_NORMAL:.2e}): they would flush to zero in fp16 without loss scaling"
+                             + ("" if scaler else " (this run is not in fp16; a note for if you move it there)"),
+                             {"share": share},
+                             ["keep the GradScaler on (it scales these gradients up into fp16's range)" if scaler else
+                              "in fp16, keep the GradScaler on: it scales these gradients up into fp16's range"]))
     by_step = summary.get("lost_updates_by_step")
     precision = summary.get("precision_used") or (cfg.precision if cfg is not None else "")
     lrs = history_lrs(h)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .._logs import defers_bitsandbytes
 from .loading import CAUSAL_LM, ModelError, local_source, resolve_source
 
 BASE_DIR = "base_model"
@@ -156,6 +157,8 @@ def _base_reference(cfg, path: Path) -> str:
     return local_source(src).name   # a GGUF model's converted folder: what from_pretrained can load
 
 
+# save_pretrained imports peft's and transformers' quantizer modules, which import bitsandbytes: quietly, lazily
+@defers_bitsandbytes
 def save_model(model, tokenizer, cfg, path, merged: bool = False) -> Path:
     """Write ``model`` (full weights, or the peft adapter; ``merged=True``: LoRA merged into the base),
     its tokenizer and ``nbtrain.yaml`` to ``path``; returns the directory. See the module docstring
