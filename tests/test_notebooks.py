@@ -211,6 +211,21 @@ def test_a_wrong_claim_fails_the_notebook(tmp_path):
     assert later and all(c.execution_count is None and not c.outputs for c in later)
 
 
+def test_the_cheat_sheet_in_notebook_03_is_the_one_in_the_docs():
+    """The last cell of the precision notebook is docs/precision.md's cheat sheet, its links rewritten for the
+    notebooks folder: one text, two places, no drift."""
+    docs = (ROOT / "docs" / "precision.md").read_text()
+    sheet = docs[docs.index("## Cheat sheet"):].strip()
+    nb = nbformat.read(NOTEBOOKS / "03_mixed_precision.ipynb", as_version=4)
+    cell = nb.cells[-1].source.strip()
+    intro = "A copy of the cheat sheet in [docs/precision.md](../docs/precision.md#cheat-sheet-which-precision-when)."
+    assert intro in cell
+    as_in_notebooks = (sheet.replace("](../notebooks/", "](").replace("](../", "](../")
+                       .replace("](evidence.md", "](../docs/evidence.md").replace("](speed.md", "](../docs/speed.md")
+                       .replace("](memory.md", "](../docs/memory.md").replace("](precision.md", "](../docs/precision.md"))
+    assert cell.replace(intro + "\n\n", "") == as_in_notebooks
+
+
 # -- example configs ----------------------------------------------------------------------------------------------
 def test_config_files_are_there():
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(CONFIG_FILES)
