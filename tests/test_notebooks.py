@@ -77,6 +77,43 @@ def test_notebook_asserts_a_few_claims_that_teach(path):
     compile(source, path.name, "exec")   # plain Python: no magics, so it also runs as a script
 
 
+def _md(cell) -> str:
+    return cell.source if cell.cell_type == "markdown" else ""
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.stem)
+def test_notebook_is_a_lesson(path):
+    """What you will learn, prerequisites (earlier notebooks only) and minutes up front; 2-4 exercises, each a
+    question, a guess cell, a cell that checks it with nbtrain.course.check and a collapsed solution; takeaways."""
+    nb = nbformat.read(path, as_version=4)
+    cells, first = nb.cells, nb.cells[0].source
+    number = path.stem[:2]
+    assert first.startswith(f"# {number} · "), first[:40]
+    for label in ("**You will learn**", "**Prerequisites**", "**Time on CPU"):
+        assert label in first, f"{path.name}: no {label} in the first cell"
+    assert re.search(r"\*\*Time on CPU:?\*\*:? about \d+ minutes? on a 2-core CPU", first), path.name
+    prereq = first[first.index("**Prerequisites**"):first.index("**Time on CPU")]
+    for target in re.findall(r"\]\((\w\w)_\w+\.ipynb\)", prereq):
+        assert target.isdigit() and (not number.isdigit() or target < number), f"{path.name} needs {target}"
+    exercises = [i for i, c in enumerate(cells) if re.match(r"### Exercise \d+ · Predict, then run", _md(c))]
+    assert 2 <= len(exercises) <= 4, f"{path.name}: {len(exercises)} exercises"
+    for i in exercises:
+        guess, answer, solution = cells[i + 1:i + 4]
+        assert guess.cell_type == "code" and re.search(r"^\w+ = \.\.\.", guess.source, re.M), guess.source
+        assert answer.cell_type == "code" and "check(" in answer.source, answer.source
+        assert _md(solution).lstrip().startswith("<details><summary>Solution</summary>"), solution.source[:80]
+    takeaways = [i for i, c in enumerate(cells) if _md(c).startswith("## Takeaways")]
+    assert len(takeaways) == 1 and takeaways[0] >= len(cells) - 3, f"{path.name}: takeaways at {takeaways}"
+
+
+def test_links_between_notebooks_name_their_titles():
+    titles = {p.name: nbformat.read(p, as_version=4).cells[0].source.splitlines()[0][2:] for p in _paths()}
+    for p in _paths():
+        for c in nbformat.read(p, as_version=4).cells:
+            for text, target in re.findall(r"\[(\w\w · [^\]]+)\]\((\w\w_\w+\.ipynb)\)", _md(c)):
+                assert titles[target].startswith(text), f"{p.name}: [{text}] links {target}: {titles[target]!r}"
+
+
 def checks_of(path: Path) -> list[tuple[str, str]]:
     """(cell id, code) pairs of tests/notebook_checks/<stem>.py: each ``# %% after: <cell id>`` block runs in the
     notebook's kernel right after that cell."""
