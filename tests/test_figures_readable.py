@@ -12,6 +12,7 @@ import pytest
 from nbtrain.engine.records import StepRecord
 from nbtrain.viz import figures as F
 from nbtrain.viz.dashboard import LiveDashboard
+from nbtrain.viz.widget import live_figure_widget
 
 from .test_viz import assert_same, col, feed, frame, make_info, make_records
 
@@ -115,7 +116,7 @@ def test_no_scaler_note_sits_where_it_hides_no_data():
     assert _note(cmp).y == pytest.approx(cmp.get_subplot(4, 1).yaxis.domain[1])
     # A run without a scaler: an empty panel that says why, and no "loss scale" legend entry.
     solo = F.run_figure(make_records(10, scaler=False), None, make_info("bf16", scaler=False))
-    assert _note(solo).text == "no GradScaler (bf16 does not need one)"
+    assert _note(solo).text == "no GradScaler<br>(bf16 does not need one)"
     assert not F.find_trace(solo, "scale", "scale").showlegend
     assert not any(t.showlegend is not False and t.name == "loss scale" for t in solo.data)
     assert F.find_trace(F.run_figure(make_records(10), None, make_info()), "scale", "scale").showlegend
@@ -233,7 +234,7 @@ def frontend(monkeypatch):
     import IPython.display
     import ipywidgets
 
-    log = {"shown": {}, "dead": set(), "errors": [], "sent": [], "handles": []}
+    log = {"shown": {}, "dead": set(), "errors": [], "sent": [], "handles": [], "answers": []}
 
     class Handle:
         def __init__(self, obj):
@@ -259,11 +260,33 @@ def frontend(monkeypatch):
         live = {k for k, v in state.items() if k.startswith("_py2js_") and v is not None}
         if id(self) in log["dead"] and live:
             log["errors"].append(sorted(live))
+        elif live and id(self) in log["shown"]:
+            # plotly.js answers each edit a live view gets: its trace deltas, then its layout delta (two comm
+            # messages); while a cell runs they wait in the kernel's queue (deliver_answers)
+            for k in sorted(live):
+                edit = state[k]
+                for key, trait in (("trace_edit_id", "_js2py_traceDeltas"),
+                                   ("layout_edit_id", "_js2py_widget_layoutDelta")):
+                    if isinstance(edit, dict) and key in edit:
+                        log["answers"].append((self, trait, {key: edit[key]}))
         return original(self, msg, buffers)
 
     monkeypatch.setattr(IPython.display, "display", display)
     monkeypatch.setattr(ipywidgets.Widget, "_send", send)
     return log
+
+
+def deliver_answers(log) -> list:
+    """Deliver the front end's queued answers, as the kernel does once the cell is done; returns the comms that
+    were closed by then (the kernel logs "No such comm" for each, and drops the message)."""
+    unknown = []
+    for widget, trait, msg in log["answers"]:
+        if widget.comm is None:
+            unknown.append((id(widget), trait))
+        else:
+            setattr(widget, trait, {"trace_deltas": [], "layout_delta": {}, **msg})
+    log["answers"].clear()
+    return unknown
 
 
 def test_live_widget_gets_no_message_after_its_view_is_replaced(frontend):
@@ -276,9 +299,10 @@ def test_live_widget_gets_no_message_after_its_view_is_replaced(frontend):
         feed(dash, make_info(name, scaler=name == "fp16", variant=name), recs)
         widgets_used.append(dash.figure)
     assert frontend["errors"] == []
-    # Each run drew on its own widget; the finished ones were closed.
+    # Each run drew on its own widget; the finished ones were closed once the front end had answered them.
     assert len({id(w) for w in widgets_used}) == 3
-    assert all(w.comm is None for w in widgets_used[:2])
+    assert deliver_answers(frontend) == []
+    assert all(w.comm is None for w in widgets_used[:2]) and widgets_used[2].comm is not None
     # A new widget arrives complete: nothing was added to it, or deleted from it, before it was shown.
     for w in widgets_used[1:]:
         shown_at = frontend["shown"][id(w)]
@@ -291,6 +315,27 @@ def test_live_widget_gets_no_message_after_its_view_is_replaced(frontend):
     assert F.iter_runs(dash.figure) == list(runs)
     # The status line and the live figure were shown in the same two places throughout.
     assert len(frontend["handles"]) == 2
+
+
+def test_a_retired_live_widget_is_closed_after_the_front_ends_last_answer_never_before(frontend):
+    """Notebook 04's log console collected "No such comm" warnings in every run: a comparison in one cell drew each
+    run on a new widget and closed the last one as the next run started, while plotly.js's answers to that widget's
+    last redraws still waited in the kernel's queue (a busy kernel reads comm messages after the cell). A retired
+    widget now closes when its last answer arrives."""
+    dash = LiveDashboard(mode="widget", max_redraws_per_s=1000)
+    widgets_used = []
+    for name in ("fp32", "fp16", "bf16"):   # one cell: no answer is read in between
+        feed(dash, make_info(name, scaler=name == "fp16", variant=name), make_records(6, variant=name,
+                                                                                      scaler=name == "fp16"))
+        widgets_used.append(dash.figure)
+    assert all(w.comm is not None for w in widgets_used)   # nothing closed under queued answers
+    assert frontend["answers"], "the simulated front end answered nothing: the test would prove nothing"
+    assert deliver_answers(frontend) == []                 # the cell is done: no answer finds its comm closed
+    assert [w.comm is None for w in widgets_used] == [True, True, False]
+    # a widget with nothing left to answer closes at once
+    fresh = live_figure_widget(F.make_run_layout())
+    fresh.close_when_answered()
+    assert fresh.comm is None
 
 
 def test_live_comparison_has_the_exact_difference_panel_while_the_second_run_is_drawn():

@@ -26,7 +26,7 @@ from nbtrain.viz import figures as F  # noqa: E402
 from nbtrain.viz.dashboard import LiveDashboard  # noqa: E402
 from nbtrain.viz.widget import live_figure_widget  # noqa: E402
 
-from .test_viz import make_records  # noqa: E402
+from .test_viz import make_info, make_records  # noqa: E402
 
 SMALL = dict(model="tiny", data="builtin:python-docs", subset=48, max_seq_len=32, micro_batch_size=4,
              eval_fraction=0.0, precision="fp32", lr=1e-3, max_grad_norm=1.0)
@@ -251,3 +251,65 @@ def test_the_live_widget_asks_its_views_to_fit_their_width_after_each_rebuild():
     fits = [d for d in sent if d == {"autosize": True}]
     assert 1 <= len(fits) <= 3 * max(1, dash.redraws), sent
     assert dash.figure.layout.width is None and dash.figure.layout.height == F.RUN_HEIGHT
+
+
+class InstantTimer:
+    """threading.Timer's stand-in: keeps the delay and runs the call when started (no waiting in tests)."""
+
+    delays: list = []
+
+    def __init__(self, delay, fn, args=()):
+        self.delay, self.fn, self.args, self.daemon = delay, fn, args, False
+
+    def start(self):
+        InstantTimer.delays.append(self.delay)
+        self.fn(*self.args)
+
+
+def test_the_views_are_asked_to_fit_their_width_again_after_each_runs_first_point():
+    # Issue 46: the view that shows a run's first point is drawn after that point's redraw, at plotly.js's 700 px
+    # default, and a run held at a slow step sends no other redraw: the first point stood 700 px wide in a 1,008 px
+    # output. Later fits, from a timer, reach the view once it is on the page.
+    dash = LiveDashboard(display=False, mode="widget", max_redraws_per_s=1000)
+    dash._timer = InstantTimer
+    InstantTimer.delays = []
+    fits = []
+    for name in ("fp32", "bf16"):
+        recs = make_records(3, variant=name, scaler=False)
+        dash.on_run_start(make_info(name, scaler=False, variant=name))
+        fig = dash.figure
+        original = fig._send_relayout_msg
+        fig._send_relayout_msg = lambda data, source_view_id=None, o=original: (fits.append(dict(data)), o(data))
+        dash.on_step_end(recs[0])
+        late = len(InstantTimer.delays)
+        assert late >= 2 and sorted(InstantTimer.delays) == InstantTimer.delays, InstantTimer.delays
+        assert fits.count({"autosize": True}) >= late   # each late fit was sent
+        fits.clear()
+        InstantTimer.delays = []
+        for r in recs[1:]:
+            dash.on_step_end(r)
+        assert InstantTimer.delays == []   # only the first point schedules them
+        dash.on_run_end(None)
+    # a figure that is no longer the dashboard's gets no late fit
+    old = dash.figure
+    dash._late_fit(live_figure_widget(F.make_run_layout()))
+    assert dash.figure is old
+
+
+def test_a_first_point_is_drawn_with_its_marker_then_as_a_line():
+    # plotly draws no line through one point: at a run's first point the loss and grad-norm panels stood empty.
+    one = F.run_figure(make_records(1, scaler=False))
+    for panel, kind in (("loss", "loss"), ("loss", "loss_ema"), ("grad_norm", "grad_norm"), ("memory", "host_rss")):
+        assert F.find_trace(one, panel, kind).mode == "lines+markers", (panel, kind)
+    two = F.run_figure(make_records(2, scaler=False))
+    assert F.find_trace(two, "loss", "loss").mode == "lines"
+    # live: the mode changes with the data, in place
+    dash = LiveDashboard(display=False, mode="widget", max_redraws_per_s=1000)
+    dash._timer = InstantTimer
+    recs = make_records(3, scaler=False)
+    dash.on_run_start(make_info("fp32", scaler=False, variant="fp32"))
+    dash.on_step_end(recs[0])
+    assert F.find_trace(dash.figure, "loss", "loss_ema").mode == "lines+markers"
+    dash.on_step_end(recs[1])
+    dash.refresh()
+    assert F.find_trace(dash.figure, "loss", "loss_ema").mode == "lines"

@@ -1,6 +1,7 @@
 """Figures and the LiveDashboard: exact values, markers, throttling, threads, fallbacks, headless notebooks."""
 
 import base64
+import dataclasses
 import math
 import threading
 import time
@@ -305,6 +306,39 @@ def test_throttle_spacing_with_a_controlled_clock():
     assert all(b - a >= 0.2 - 1e-9 for a, b in zip(mid, mid[1:]))
     dash.on_run_end(None)
     assert len(F.find_trace(dash.figure, "loss", "loss").y) == 1000
+
+
+def test_each_runs_first_point_is_drawn_at_once():
+    # Issue 46: the redraw a run's start makes held its first step back behind the throttle; a slow first step
+    # (seconds on a real model) then left the figure empty.
+    now = [0.0]
+    dash = LiveDashboard(mode="widget", display=False, max_redraws_per_s=5)
+    dash.tracker.clock = lambda: now[0]
+    calls = count_redraws(dash, clock=lambda: now[0])
+    for name in ("fp32", "bf16"):
+        first, second = make_records(2, variant=name)
+        dash.on_run_start(make_info(variant=name))
+        started = len(calls)
+        now[0] += 0.01   # well inside the throttle's 0.2 s after the start's redraw
+        dash.on_step_end(first)
+        assert len(calls) == started + 1, f"{name}: the first point was not drawn at once"
+        assert list(F.find_trace(dash.figure, "loss", "loss", run=name).x) == [1.0]
+        now[0] += 0.01
+        dash.on_step_end(second)   # later steps keep the throttle
+        assert len(calls) == started + 1
+        dash.on_run_end(None)
+
+
+def test_one_value_averages_to_itself_so_a_first_point_gets_readable_ticks():
+    # (1 - s) * v / (1 - s) missed v by a rounding step for about one loss in eight: the loss line and its EMA
+    # a rounding step apart made plotly tick the axis at that spread ("3.573132753372192383", issue 46).
+    vals = np.random.default_rng(0).uniform(0.1, 20, 2000).tolist() + [3.5731327533721924]
+    assert [F.smooth([v])[0] for v in vals] == vals
+    assert_same(F.smooth([math.nan, 3.5731327533721924, math.inf], 0.9),
+                [math.nan, 3.5731327533721924, 3.5731327533721924])
+    fig = F.run_figure([dataclasses.replace(make_records(1)[0], loss=3.5731327533721924)])
+    loss, ema = F.find_trace(fig, "loss", "loss"), F.find_trace(fig, "loss", "loss_ema")
+    assert list(loss.y) == list(ema.y) == [3.5731327533721924]
 
 
 def test_dashboard_from_a_background_thread_while_the_main_thread_reads():

@@ -56,7 +56,8 @@ ENV_VAR = "NBTRAIN_DASHBOARD"
 MODES = ("widget", "html", "text")
 
 _HTML_MIN_INTERVAL = 1.0   # html mode resends the whole figure: at most once a second
-_LIVE_PROPS = ("x", "y", "hovertext", "text")   # what a redraw between rebuilds changes in a trace
+# what a redraw between rebuilds changes in a trace (mode: a line of one point is drawn with its marker)
+_LIVE_PROPS = ("x", "y", "hovertext", "text", "mode")
 
 
 def _same(old: Any, new: Any) -> bool:
@@ -75,6 +76,11 @@ def _same(old: Any, new: Any) -> bool:
 
 
 _FITS_AFTER_REBUILD = 3    # redraws after a rebuild that size the widget's views to their output (LiveFigureWidget)
+# Seconds after a run's first point at which the widget's views are asked again to fit their output. The view that
+# shows the first point is drawn after that point's redraw (the Panel reveals the figure then; a new widget is shown
+# as the run starts), at plotly.js's default 700 px while the page lays it out, and a run held at a slow step or a
+# busy kernel sends no other redraw meanwhile (measured in JupyterLab: 700 px in a 1,008 px output, issue 46).
+_LATE_FITS_S = (0.5, 1.5, 4.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,6 +180,7 @@ class LiveDashboard:
         self._scale_axis: Optional[dict] = None   # the loss-scale ticks last sent to the figure
         self._fits = 0   # redraws since the last rebuild that asked the widget's views to fit their width
         self._draw_lock = threading.Lock()    # one redraw at a time
+        self._timer = threading.Timer   # what schedules the late fits (tests replace it)
         if self.mode == "widget":
             self.figure = live_figure_widget(figures.make_run_layout())
             self.view = WidgetView(self.figure, self.display, static_plotlyjs)
@@ -209,11 +216,25 @@ class LiveDashboard:
         self.view.run_start(self.figure, self.tracker.status(), info)
 
     def on_step_end(self, record: Any) -> None:
-        """Record one step; redraw when the throttle allows."""
-        self.tracker.add(record)
+        """Record one step; redraw when the throttle allows (a run's first step always)."""
+        run = self.tracker.add(record)
         self.view.step(record)
         if self.view.live and self.tracker.due():
             self._redraw()
+        if len(run.records) == 1 and self.view.live and hasattr(self.figure, "fit_width"):
+            self._fit_later(self.figure)
+
+    def _fit_later(self, fig) -> None:
+        for delay in _LATE_FITS_S:
+            t = self._timer(delay, self._late_fit, args=(fig,))
+            t.daemon = True   # never keeps the interpreter alive
+            t.start()
+
+    def _late_fit(self, fig) -> None:
+        with self._draw_lock:
+            # a figure replaced since (a new run, a static copy) gets nothing: its view may be gone
+            if fig is self.figure and not self.view.retired:
+                fig.fit_width()
 
     def on_eval(self, record: Any) -> None:
         """Record an evaluation (drawn with the next redraw)."""

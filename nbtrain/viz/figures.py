@@ -176,13 +176,17 @@ def smooth(values: Sequence[float], smoothing: float = 0.9) -> np.ndarray:
     s = float(smoothing)
     if not 0 <= s < 1:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
-    ema, n = 0.0, 0
+    ema, n, first = 0.0, 0, math.nan
     for i, v in enumerate(y.tolist()):
         if math.isfinite(v):
             ema = s * ema + (1 - s) * v
             n += 1
+            first = v if n == 1 else first
         if n:
-            out[i] = ema / (1 - s ** n)
+            # One value averages to itself: (1 - s) * v / (1 - s) misses v by a rounding step in about one case
+            # of eight, and a loss line and its EMA a rounding step apart made plotly tick the axis at that
+            # spread ("3.573132753372192383") at a run's first point.
+            out[i] = first if n == 1 else ema / (1 - s ** n)
     return out
 
 
@@ -292,6 +296,9 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
     def add(panel, kind, label, *, legend=True, **kw):
         row, cell_col = PANEL_CELLS[panel]
         kw.setdefault("legendgroup", name if overlay else kind)
+        if kw.get("mode") == "lines" and _finite_count(kw.get("y")) == 1:
+            # plotly draws no line through one point: a run's first point would leave its panel empty
+            kw["mode"] = "lines+markers"
         specs.append(dict(row=row, col=cell_col, type="scatter", name=prefix + label,
                           meta={"run": name, "panel": panel, "kind": kind}, showlegend=legend, **kw))
 
@@ -421,6 +428,12 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
                 x=x[mask], y=visible[panel][mask], mode=extra.pop("mode", "markers"), marker=marker,
                 hovertext=hover, hoverinfo="text", **extra)
     return specs
+
+
+def _finite_count(y: Any) -> int:
+    if y is None:
+        return 0
+    return int(np.isfinite(np.asarray(y, dtype=np.float64)).sum())
 
 
 def _last_finite(x: np.ndarray, y: np.ndarray) -> tuple[Optional[float], Optional[float]]:
@@ -575,8 +588,9 @@ def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int, col: in
     if len(without) == len(runs):
         what = "/".join(precs) if precs else "this run"
         verb = "do" if len(precs) > 1 else "does"
-        # The panel is empty: in its middle the note hides nothing.
-        fig.add_annotation(text=f"no GradScaler ({what} {verb} not need one)", xref=f"{x} domain",
+        # The panel is empty: in its middle the note hides nothing. Two short lines: on one, in a half-width panel
+        # of a narrow output, it ran over the next panel's axis title (issue 46).
+        fig.add_annotation(text=f"no GradScaler<br>({what} {verb} not need one)", xref=f"{x} domain",
                            yref=f"{y} domain", x=0.5, y=0.5, showarrow=False,
                            font=dict(size=12, color="#555"), name="no_scaler")
         return

@@ -85,6 +85,10 @@ class Tracker:
         with self._lock:
             run = self._run_for(getattr(record, "variant", None))
             run.add(record)
+            if len(run.records) == 1:
+                # A run's first point is drawn at once: the throttle would hold it back behind the redraw
+                # that the run's start made, and a slow first step then leaves an empty figure for seconds.
+                self.next_draw = 0.0
             return run
 
     def add_eval(self, record: Any) -> RunTrack:

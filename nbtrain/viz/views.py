@@ -112,11 +112,16 @@ class WidgetView(_NotebookView):
     _retires_figure = True
 
     def replace_figure(self, new):
-        """Take ``new`` (a FigureWidget not shown yet) as the live figure; the retired one is closed."""
+        """Take ``new`` (a FigureWidget not shown yet) as the live figure; the retired one is closed once the
+        front end has answered its last redraw (``close_when_answered``), never before: the answers of a run's
+        last redraw wait in the kernel's queue while the cell runs, and the next run starts first."""
         old, self.figure = self.figure, new
         self.widget.children = (self.status, new, self.answers)
         self.retired = False
-        old.close()
+        if hasattr(old, "close_when_answered"):
+            old.close_when_answered()
+        else:
+            old.close()
         return new
 
     def run_start(self, figure, status: str, info: Any = None) -> None:

@@ -16,6 +16,12 @@ For the dashboard's figures that is wrong twice over (measured in JupyterLab wit
 nbtrain sets every property it draws, so the computed defaults are not needed on the Python side. The
 deltas are acknowledged (plotly's edit bookkeeping, which ``batch_update`` and change callbacks wait on,
 is completed exactly as plotly does it) and otherwise dropped: no property is ever removed.
+
+plotly.js sends its layout delta as ``_js2py_widget_layoutDelta`` (plotly 7.1's widget bundle), a name the stock
+widget has no trait for, so its layout edits never complete there. This widget takes that name too, which lets
+:meth:`LiveFigureWidget.close_when_answered` close a widget only after the front end's last answer has arrived:
+closed earlier, every answer still on its way (they wait while a cell runs) reached the kernel as a message to a
+comm it no longer knew, logged "No such comm" in JupyterLab's log console (notebook 04, every run).
 """
 
 from __future__ import annotations
@@ -28,30 +34,46 @@ def _widget_class():
     # Built on first use: importing plotly's FigureWidget needs anywidget and ipywidgets, which a script or a
     # text-mode dashboard never loads.
     import plotly.graph_objects as go
-    from traitlets import observe
+    from plotly.serializers import custom_serializers
+    from traitlets import Dict, observe
 
     class LiveFigureWidget(go.FigureWidget):
         """A ``FigureWidget`` that keeps every property Python set (see the module doc)."""
+
+        # the name plotly.js's widget sends its layout deltas under (see the module doc)
+        _js2py_widget_layoutDelta = Dict(allow_none=True).tag(sync=True, **custom_serializers)
+        _close_pending = False
 
         @observe("_js2py_traceDeltas")
         def _handler_js2py_traceDeltas(self, change):
             msg = change["new"]
             if not msg:
                 return
+            # cleared first: a waiting callback may close the widget (close_when_answered)
+            self._js2py_traceDeltas = None
             if msg.get("trace_edit_id") == self._last_trace_edit_id:
                 self._trace_edit_in_process = False
                 self._run_waiting_callbacks()
-            self._js2py_traceDeltas = None
 
-        @observe("_js2py_layoutDelta")
+        @observe("_js2py_layoutDelta", "_js2py_widget_layoutDelta")
         def _handler_js2py_layoutDelta(self, change):
             msg = change["new"]
             if not msg:
                 return
+            setattr(self, change["name"], None)
             if msg.get("layout_edit_id") == self._last_layout_edit_id:
                 self._layout_edit_in_process = False
                 self._run_waiting_callbacks()
-            self._js2py_layoutDelta = None
+
+        def close_when_answered(self) -> None:
+            """Close this widget once the front end has answered every edit sent to it (at once when none waits
+            for an answer). plotly.js answers each edit with its trace deltas, then its layout delta: closed
+            before those arrive, each reaches the kernel as a message to an unknown comm ("No such comm").
+            A widget that is never answered (no front end showed it) stays open."""
+            if self._close_pending:
+                return
+            self._close_pending = True
+            self.on_edits_completed(self.close)
 
         def fit_width(self) -> None:
             """Ask every view to size the figure to its container again (a ``relayout`` of ``autosize``). A view
