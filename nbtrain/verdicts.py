@@ -98,6 +98,9 @@ SPEED_K = {3: 5.25, 4: 4.0, 5: 3.5, 6: 3.25, 7: 3.25, 8: 3.0, 9: 3.0, 10: 3.0}
 # Above this half-width (relative) a comparison that ranks nothing says it cannot judge, rather than "no
 # measurable difference": a 10% difference could hide in it.
 JUDGEABLE = 0.10
+# The widest speed half-width (relative) ever printed: beyond ±50% a figure says nothing a person can use ("noise
+# 73.1x either way", "±7207%"), so the words say the repeats vary too much and show their range instead.
+NOISE_SHOWN = 0.50
 # 1.4826 x the median absolute deviation estimates a normal's standard deviation.
 _MAD_TO_SD = 1.4826
 # The least noise a pair of timings is credited with (0.5%): clocks and schedulers never do better.
@@ -274,11 +277,14 @@ class Verdict:
     # preference objectives: column in REWARD_COLUMNS -> its judgement against the seed band (empty for "lm")
     rewards: dict[str, BandJudgement] = field(default_factory=dict)
     parts: list[str] = field(default_factory=list)
+    # "code": advice names compare()'s arguments ("use repeats=5"); "panel": the Panel's controls ("set repeats to 5")
+    advice: str = "code"
 
     @property
     def text(self) -> str:
         """The verdict line, e.g. "bf16: 1.6x faster (±0.1), loss within seed noise at every step, 0 skipped"."""
-        return f"{self.variant}: " + ", ".join(self.parts)
+        panel = self.advice == "panel"
+        return f"{self.variant}: " + ", ".join(getattr(p, "panel", p) if panel else p for p in self.parts)
 
     def __str__(self) -> str:
         return self.text
@@ -312,18 +318,50 @@ def speed_span(s: Speed) -> str:
 
 
 def _noise(floor: float) -> str:
-    # A half-width of 239% reads as nothing; "3.4x either way" says how wide it is.
-    return f"noise ±{floor:.0%}" if floor < 1 else f"noise {1 + floor:.1f}x either way"
+    # Beyond NOISE_SHOWN the half-width is no number a person can use: say only that it is that wide.
+    return f"noise ±{floor:.0%}" if floor <= NOISE_SHOWN else f"noise beyond ±{NOISE_SHOWN:.0%}"
+
+
+def half_width_text(floor: float, digits: int = 1) -> str:
+    """A speed half-width as the tables and notes print it: "±4.2%", or "beyond ±50%" past NOISE_SHOWN, where no
+    figure means anything ("±7207%" would only mislead); "—" when unknown."""
+    if floor is None or not math.isfinite(floor):
+        return "—"
+    return f"±{floor:.{digits}%}" if floor <= NOISE_SHOWN else f"beyond ±{NOISE_SHOWN:.0%}"
+
+
+class Words(str):
+    """A verdict part as compare()'s arguments name things (``str`` itself), with ``panel``: the same advice in the
+    words of the Panel's controls ("set repeats to 5"), which ``Verdict.text`` uses when its ``advice`` is
+    "panel"."""
+
+    panel: str
+
+    def __new__(cls, code: str, panel: Optional[str] = None) -> "Words":
+        # panel is optional so that pickle and copy, which rebuild a str subclass from its text alone, work
+        obj = super().__new__(cls, code)
+        obj.panel = code if panel is None else panel
+        return obj
+
+
+def _one_direction(s: Speed) -> str:
+    """", slower in all 3" when every repeat's ratio falls on one side of 1 (else ""): said when the verdict cannot
+    rank, so that a variant slower every time is not read as a coin toss."""
+    if s.n < 2 or s.low <= 1 <= s.high:
+        return ""
+    return f", {'slower' if s.high < 1 else 'faster'} in all {s.n}"
 
 
 def _speed_text(s: Optional[Speed], reference: str) -> str:
     if s is None:
         return "speed not measured"
     if s.n == 1:
-        return f"{_x(s.ratio)}x the speed of {reference} (one timing, spread unknown: use repeats=5)"
+        return Words(f"{_x(s.ratio)}x the speed of {reference} (one timing, spread unknown: use repeats=5)",
+                     f"{_x(s.ratio)}x the speed of {reference} (one timing, spread unknown: set repeats to 5)")
     span = speed_span(s)
     if s.n < MIN_RANKED_REPEATS:
-        return f"speed not ranked against {reference} ({span} over {s.n} timings: too few to rank, use repeats=5)"
+        head = f"speed not ranked against {reference} ({span} over {s.n} timings: too few to rank, "
+        return Words(head + "use repeats=5)", head + "set repeats to 5)")
     span += " repeats" if span.endswith(f"all {s.n}") else f" over {s.n} repeats"
     rule = f"{FALSE_RANKING_RATE:.0%} false-ranking rule"
     if s.state == "same":
@@ -331,8 +369,18 @@ def _speed_text(s: Optional[Speed], reference: str) -> str:
         return (f"no measurable speed difference from {reference} ({span}; a difference beyond "
                 f"±{max(s.floor, MIN_EFFECT):.0%} would have been ranked, {rule})")
     if s.state == "too noisy":
-        how = ("repeats=5 on a quiet machine" if s.n < 5 else f"repeats={2 * s.n} or on a quieter machine")
-        return f"speed too noisy to judge here ({span}; {_noise(s.floor)}, {rule}): rerun with {how}"
+        if s.floor > NOISE_SHOWN:
+            # no half-width worth printing: the repeats' range, and which way they all went if they agree
+            head = (f"speed too noisy to judge here ({span}{_one_direction(s)}; the repeats vary beyond "
+                    f"±{NOISE_SHOWN:.0%}, {rule}): ")
+        else:
+            head = f"speed too noisy to judge here ({span}; {_noise(s.floor)}, {rule}): "
+        if s.n < 5:
+            return Words(head + "rerun with repeats=5 on a quiet machine",
+                         head + "set repeats to 5 and rerun on a quiet machine")
+        return Words(head + f"rerun with repeats={2 * s.n} or on a quieter machine",
+                     head + f"rerun on a quieter machine (or with compare(..., repeats={2 * s.n}) from code: "
+                            "the Panel's repeats go up to 5)")
     return f"{s.state} than {reference} ({span}; {_noise(s.floor)}, {rule})"
 
 
@@ -528,8 +576,8 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
         elif band is not None:
             v.parts.append("no step to hold against the seed noise band")
         elif math.isfinite(v.max_abs_diff):
-            v.parts.append(f"loss differs from {reference} by at most {v.max_abs_diff:.2g} "
-                           "(no seed band to judge it: seeds=(0, 1, 2))")
+            head = f"loss differs from {reference} by at most {v.max_abs_diff:.2g} (no seed band to judge it: "
+            v.parts.append(Words(head + "seeds=(0, 1, 2))", head + "set seeds to 3)"))
         for col in ("eval_accuracy", "eval_loss"):
             ev = differences({reference: reference_eval_history, name: eval_history}, reference, col)[name] \
                 if eval_history is not None and reference_eval_history is not None else pd.Series([], dtype=float)

@@ -13,7 +13,7 @@ import math
 import platform
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import pandas as pd
 import torch
@@ -84,7 +84,7 @@ def _fmt_gib(v: float) -> str:
 _FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.0f}", "mfu": "{:.2%}",
             "tokens_per_s_spread": "{:,.0f}", "speedup": "{:.2f}x", "speedup_low": "{:.2f}x",
             "speedup_high": "{:.2f}x", "speedup_spread": "{:.2f}",
-            "noise_floor": "±{:.1%}", "peak_vram_gib": _fmt_gib,
+            "noise_floor": _verdicts.half_width_text, "peak_vram_gib": _fmt_gib,
             "peak_host_rss_gib": _fmt_gib, "peak_host_tensors_gib": _fmt_gib, "final_loss": "{:.4f}",
             "eval_loss": "{:.4f}", "eval_perplexity": "{:.1f}", "eval_accuracy": "{:.3f}",
             "max_abs_loss_diff": "{:.2e}", "max_rel_loss_diff": "{:.2e}", "min_scale": _fmt_scale,
@@ -113,6 +113,17 @@ _MEMORY_NOTES = {
     "rss": "resident memory of the whole process at its peak: it includes what earlier runs in this kernel "
            "left behind, so later variants look bigger",
 }
+
+
+def said_once(notes: Mapping[str, Sequence[str]], ran: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """``(lines, rest)``: each note that every run in ``ran`` (two or more) has, as one line "all variants: …" ("all
+    variants that ran: …" when a variant in ``notes`` lacks it), and name -> that variant's other notes. For any view
+    that lists notes per variant (the comparison's notes, a dashboard's end-of-run summaries)."""
+    ran = [n for n in ran if n in notes]
+    shared = [n for n in notes[ran[0]] if all(n in notes[m] for m in ran[1:])] if len(ran) > 1 else []
+    lines = [f"{'all variants' if all(n in v for v in notes.values()) else 'all variants that ran'}: {n}"
+             for n in shared]
+    return lines, {name: [n for n in v if n not in shared] for name, v in notes.items()}
 
 
 class ComparisonViews:
@@ -273,12 +284,40 @@ class ComparisonViews:
             lines.append(f"tokens/s: median of {self.repeats} interleaved repeats, the order rotated each repeat "
                          f"(the table's order column); speed-up: the range of the per-repeat ratios to "
                          f"{self.reference!r}, then their median")
+        lines += self._ratio_lines()
         lines += self._floor_lines()
         lines += self._seed_lines()
         if self.stopped:
             done = ", ".join(self.finished) or "none"
             lines.append(f"the comparison was {self.stopped}; finished: {done}")
         return lines
+
+    def _ratio_lines(self) -> list[str]:
+        """Per variant whose median per-repeat ratio (the speed-up shown) and the ratio of the two median tokens/s
+        (the Tokens/s column) differ at the printed two decimals: which one the table shows, and why."""
+        lines = []
+        rows = self.table.set_index("variant")
+        if self.reference not in rows.index:
+            return lines
+        ref_tps = rows.loc[self.reference, "tokens_per_s"]
+        for name in self.variants:
+            sp = self._speed(name)
+            if name == self.reference or sp is None or sp.n < 2 or not ref_tps > 0:
+                continue
+            of_medians = rows.loc[name, "tokens_per_s"] / ref_tps
+            if not math.isfinite(of_medians) or _verdicts._x(of_medians) == _verdicts._x(sp.ratio):
+                continue
+            lines.append(f"{name}: the speed-up shown ({_verdicts._x(sp.ratio)}x) is the median of its per-repeat "
+                         f"ratios to {self.reference!r}, each against the run beside it in the same repeat, so that "
+                         f"a repeat slower for every variant does not count; its median tokens/s over "
+                         f"{self.reference!r}'s is {_verdicts._x(of_medians)}x, the medians coming from "
+                         "different repeats")
+        return lines
+
+    def _shared_notes(self) -> tuple[list[str], dict[str, list[str]]]:
+        """(notes said once for the whole comparison, variant -> its remaining notes): a note every variant that ran
+        has (a GGUF model's conversion, chat examples cut) is said once, "all variants: …", not once per variant."""
+        return said_once(self.notes, [n for n in self.notes if n in self.results])
 
     def _floor_lines(self) -> list[str]:
         """Where the speed's noise floor comes from (repeats only), and what happened to the A/A copy."""
@@ -292,12 +331,14 @@ class ComparisonViews:
             line = (f"noise floor unknown (fewer than {_verdicts.MIN_RANKED_REPEATS} whole repeats of the "
                     "reference): no speed difference is ranked")
         elif self.aa_timings:
-            line = (f"noise floor ±{self.noise_floor:.1%}: the rule's half-width for an identical copy of {ref!r} "
-                    f"(run unrecorded in each of {len(self.aa_timings)} repeats), which widens every variant's; "
-                    + rule)
+            line = (f"noise floor {_verdicts.half_width_text(self.noise_floor)}: the rule's half-width for an "
+                    f"identical copy of {ref!r} (run unrecorded in each of {len(self.aa_timings)} repeats), which "
+                    "widens every variant's; " + rule)
         else:
-            line = (f"noise floor ±{self.noise_floor:.1%}: the rule's half-width for a variant as noisy as "
-                    f"{ref!r}'s own repeats; " + rule)
+            line = (f"noise floor {_verdicts.half_width_text(self.noise_floor)}: the rule's half-width for a "
+                    f"variant as noisy as {ref!r}'s own repeats; " + rule)
+        if self.noise_floor > _verdicts.NOISE_SHOWN:
+            line += "; the repeats vary too much here to rank any speed difference"
         return [line] + [f"A/A: {n}" for n in self.aa_notes]
 
     def _seed_lines(self) -> list[str]:
@@ -334,10 +375,11 @@ class ComparisonViews:
     def _notes_html(self) -> str:
         # A note its variant's verdict already says (the lost-update sentence) is not said again under the table.
         said = {name: getattr(v, "lost_updates_text", None) for name, v in self.verdicts.items()}
-        per_variant = "".join(
+        shared, rest = self._shared_notes()
+        per_variant = "".join(f"<li>{html.escape(n)}</li>" for n in shared) + "".join(
             f"<li><b>{html.escape(name)}</b><ul style='margin:0;padding-left:18px'>"
             + "".join(f"<li>{html.escape(n)}</li>" for n in kept) + "</ul></li>"
-            for name, kept in ((name, [n for n in notes if n != said.get(name)]) for name, notes in self.notes.items())
+            for name, kept in ((name, [n for n in notes if n != said.get(name)]) for name, notes in rest.items())
             if kept)
         general = "".join(f"<li>{html.escape(n)}</li>" for n in self._general_notes())
         verdict = html.escape(self._fairness_line())
@@ -386,11 +428,12 @@ class ComparisonViews:
             lines.append(f"tokens_per_s and wall_s: medians of {self.repeats} interleaved repeats, the order "
                          "rotated each repeat (order: the variant's position in each); speedup: the range of the "
                          "per-repeat ratios, then their median (spreads in .table)")
+        lines += self._ratio_lines()
         lines += self._floor_lines()
         lines += self._seed_lines()
-        for r in self.table.itertuples():
-            if r.notes:
-                lines.append(f"{r.variant}: {r.notes}")
+        shared, rest = self._shared_notes()
+        lines += shared
+        lines += [f"{name}: {'; '.join(notes)}" for name, notes in rest.items() if notes]
         lines.append(self._fairness_line())
         return "\n".join(lines)
 
@@ -419,8 +462,13 @@ class ComparisonViews:
         return "NOT FAIR: " + " | ".join(self.warnings)
 
     def _table_html(self) -> str:
-        """Every column of ``table``, formatted, as an HTML table."""
-        return self._formatted(list(self.table.columns), missing=MISSING).to_html(
+        """Every column of ``table``, formatted, as an HTML table (a note every variant shares is in the notes above
+        it, "all variants: …", not in each row)."""
+        shown = self._formatted(list(self.table.columns), missing=MISSING)
+        if "notes" in shown.columns:
+            _, rest = self._shared_notes()
+            shown["notes"] = ["; ".join(rest.get(n, [])) for n in self.table["variant"]]
+        return shown.to_html(
             index=False, escape=True, classes=["nbtrain-compare", "nbt-compare-full"])
 
     def _repr_html_(self) -> str:

@@ -433,6 +433,20 @@ class ComparisonResult(ComparisonViews):
         return v
 
     @property
+    def advice(self) -> str:
+        """How the verdicts word their advice: "code" (compare()'s arguments: "use repeats=5", "seeds=(0, 1, 2)"),
+        or "panel" (the Panel's controls: "set repeats to 5", "set seeds to 3"), which the Panel sets."""
+        return getattr(self, "_advice", "code")
+
+    @advice.setter
+    def advice(self, words: str) -> None:
+        if words not in ("code", "panel"):
+            raise ValueError(f"advice: must be 'code' or 'panel', got {words!r}")
+        self._advice = words
+        for v in self.verdicts.values():
+            v.advice = words
+
+    @property
     def fair(self) -> bool:
         """True when every variant that ran started from the reference's weights and saw its batches
         (differences that the variant's own settings explain, like LoRA weights, do not count)."""

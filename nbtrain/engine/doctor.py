@@ -267,9 +267,10 @@ def lost_updates_line(precision: str, by_step: Optional[dict], stochastic_roundi
                       lrs: Optional[Mapping[int, float]] = None) -> Optional[str]:
     """The sentence the notes and verdicts show for a run's lost updates, or None when too few were lost.
 
-    It starts with the first sampled step's share and says at which sampled step the largest share fell and,
-    with ``lrs`` (step -> learning rate, e.g. the history's ``lr`` column), the lr there: a share of 100% at the
-    last step of a cosine schedule, where the lr is ~0, says nothing of the steps that trained."""
+    It leads with the largest share and the sampled step it fell at, with ``lrs`` (step -> learning rate, e.g. the
+    history's ``lr`` column) the lr there (a share of 100% at the last step of a cosine schedule, where the lr is
+    ~0, says nothing of the steps that trained), then the steps sampled and the first one's share. It does not
+    name the run: the verdict and the notes it appears in do (``precision`` chooses the advice)."""
     if not by_step:
         return None
     shares = {int(k): float(v) for k, v in by_step.items()}
@@ -278,14 +279,15 @@ def lost_updates_line(precision: str, by_step: Optional[dict], stochastic_roundi
     worst = max(shares.values())
     if worst < LOST_UPDATES_REPORTED:
         return None
-    line = f"{precision}: {shares[first]:.0%} of updates lost at step {first}"
+    at = next(k for k in steps if shares[k] == worst)
+    lrs = {int(k): v for k, v in (lrs or {}).items()}
+    lr = lrs.get(at)
+    where = (f" (where lr is {float(lr):.2g}{_where_in_schedule(at, lrs)})"
+             if lr is not None and math.isfinite(lr) else "")
+    line = f"{worst:.0%} of updates lost at step {at}{where}"
     if len(steps) > 1:
-        at = next(k for k in steps if shares[k] == worst)
-        lrs = {int(k): v for k, v in (lrs or {}).items()}
-        lr = lrs.get(at)
-        where = (f" where lr is {float(lr):.2g}{_where_in_schedule(at, lrs)}"
-                 if lr is not None and math.isfinite(lr) else "")
-        line += f" (sampled steps {', '.join(map(str, steps))}: the most, {worst:.0%}, at step {at}{where})"
+        line += (f", the most of sampled steps {', '.join(map(str, steps))}"
+                 + (f" ({shares[first]:.0%} at step {first})" if at != first else ""))
     if stochastic_rounding:
         return line + "; stochastic rounding keeps them on average (a weight moves by one bf16 step with the " \
                       "update's share of it)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -394,6 +395,37 @@ def _fit_vocab(model, tokenizer) -> None:
         model.resize_token_embeddings(len(tokenizer))
 
 
+# transformers' bar over the tensors it copies from a checkpoint into the model ("Loading weights 272/272"): on a
+# local folder (a converted GGUF model, a saved run) it is over in a moment and says nothing a person needs, yet a
+# comparison loads the model once per run. Downloads keep their own (huggingface_hub) bars.
+_QUIET_BARS = ("Loading weights",)
+
+
+@contextlib.contextmanager
+def _quiet_load_bars():
+    """While loading from a local folder: transformers' _QUIET_BARS are not drawn; every other bar is."""
+    try:
+        from transformers.utils import logging as hf_logging
+        from transformers.utils.logging import EmptyTqdm
+    except ImportError:   # a transformers without tqdm hooks draws its bars
+        yield
+        return
+    if not hasattr(hf_logging, "set_tqdm_hook"):
+        yield
+        return
+
+    def hook(factory, args, kwargs):
+        if kwargs.get("desc") in _QUIET_BARS:
+            return EmptyTqdm(*args, **kwargs)
+        return previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+
+    previous = hf_logging.set_tqdm_hook(hook)
+    try:
+        yield
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+
+
 def _from_pretrained(src: ModelSource, task: str, num_labels, device: str, quantization_config):
     kwargs: dict = {"dtype": torch.float32, **_load_kwargs(src)}
     if task in CLASSIFIERS:
@@ -402,7 +434,8 @@ def _from_pretrained(src: ModelSource, task: str, num_labels, device: str, quant
     if quantization_config is not None:
         kwargs.update(quantization_config=quantization_config, device_map=_device_map(device))
     try:
-        return _auto_class(task).from_pretrained(src.name, **kwargs)
+        with _quiet_load_bars() if src.kind == "local" else contextlib.nullcontext():
+            return _auto_class(task).from_pretrained(src.name, **kwargs)
     except OSError as e:
         if src.kind == "hub":
             raise _hub_error(src.name, "weights", e, kwargs["local_files_only"]) from None

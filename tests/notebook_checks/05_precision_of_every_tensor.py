@@ -15,7 +15,7 @@ assert (t["status"] == "max_steps").all()
 assert t["precision_used"].tolist() == ["bf16", "bf16-pure", "bf16-pure", "bf16", "fp8"]
 # %% after: 2ede1c58
 assert lost["bf16"] < 0.01 and lost["adamw8"] < 0.01 and lost["fp8"] < 0.01
-assert any("of updates lost at step 1" in n for n in cmp.results["pure"].summary["notes"])
+assert any("of updates lost at step" in n for n in cmp.results["pure"].summary["notes"])
 v_pure = cmp.verdicts["pure"]
 assert v_pure.within_noise is False and v_pure.direction == "higher"   # the loss falls behind bf16's, beyond seed noise
 # %% after: 05-48
