@@ -251,7 +251,7 @@ def test_panel_stop_during_compare_stops_it_and_names_what_never_ran():
     assert "ETA" not in shown and "/300" not in shown                # no stale live status line
     assert panel.comparison_table in panel.summary_area.children
     assert 'class="nbt-compare-table"' in panel.comparison_table.value
-    assert "not run: the comparison was stopped" in panel.comparison_table.value
+    assert "not run: the comparison was stopped" in panel.runner.table_notes.value   # the table's notes, under the figure
     assert not panel.train_button.disabled and panel.stop_button.disabled
 
 
@@ -305,7 +305,8 @@ def test_the_error_box_names_the_field_once(error, field):
     panel = Panel(small(), debounce_s=0)
     panel.runner.finish(panel.runner.begin("train"), error=error)
     text = htmllib.unescape(re.sub(r"<[^>]+>", "", panel.form.field_errors[field].value))   # under the field
-    assert f"{field}: " in text and f"{field}: {field}:" not in text
+    label = panel.form.label(field)   # the line names the field by its label ("Data")
+    assert f"{label}: " in text and f"{label}: {field}:" not in text and f"{label}: {label}:" not in text
     assert str(error).split(": ", 1)[1] in text
     assert panel.controls[field].layout.border
 

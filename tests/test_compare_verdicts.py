@@ -327,12 +327,30 @@ def test_panel_noise_band_control_runs_the_seeds_and_shows_verdicts_and_the_diff
     assert cmp.band is not None and cmp.seed_results[6].config.seed == 6
     assert 'class="nbt-verdicts"' in panel.verdicts.value
     assert "seed noise from seed runs 6" in panel.verdicts.value
-    # one variant: the live figure had no difference row; the difference panel comes after it, with the band
     assert panel.summary_area.children == (panel.verdicts, panel.comparison_table)
-    assert panel.dashboard_area.children[-1] is panel.difference_view
+    # one variant: the live figure had no difference row; the difference panel comes after it, with the band,
+    # and the table's notes (under the figure, so that the answer fits the screen) last
+    children = panel.dashboard_area.children
+    assert panel.difference_view in children[1:] and children[-1] is panel.runner.table_notes
     data = panel.difference_view.outputs[0]["data"]["application/vnd.plotly.v1+json"]
     kinds = [t["meta"]["kind"] for t in data["data"]]
     assert kinds[:2] == ["noise_band_high", "noise_band_low"]
+
+
+def test_panel_advice_names_its_own_controls():
+    """A Panel comparison's verdicts advise the Panel's controls ("set repeats to 5"), not compare()'s arguments."""
+    pytest.importorskip("ipywidgets")
+    from nbtrain.ui.panel import Panel
+
+    from .test_ui import TIMEOUT
+
+    panel = Panel(tiny_cfg(max_steps=2, eval_fraction=0.0), debounce_s=0)
+    for p, box in panel.compare_choices.items():
+        box.value = p in ("fp32", "bf16")
+    panel.compare_button.click()
+    cmp = panel.wait(TIMEOUT)
+    assert cmp.advice == "panel" and "set repeats to 5" in panel.verdicts.value, panel.verdicts.value
+    assert "repeats=5" not in panel.verdicts.value
 
 
 def test_cli_compare_takes_seeds(tmp_path, capsys):

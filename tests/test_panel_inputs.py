@@ -2,6 +2,8 @@
 read as a person would type them; the header names the chosen precision; a first Train on a preset visibly learns.
 Widget tests without a browser: set ``.value``, click, read every widget back."""
 
+import html
+
 import pytest
 
 from nbtrain.config import ConfigError, TrainConfig
@@ -56,7 +58,9 @@ def test_letters_in_a_number_field_get_one_message_under_it(field):
     panel.controls[field].value = "abc"
     assert panel.controls[field].value == "abc"          # kept as typed, not reverted
     line = panel.form.field_errors[field]
-    assert line.layout.display != "none" and field in line.value and "number" in line.value and "abc" in line.value
+    label = panel.form.label(field)   # named by the label the field shows
+    assert line.layout.display != "none" and html.escape(label) in line.value and "number" in line.value
+    assert "abc" in line.value
     assert panel.controls[field].layout.border
     with pytest.raises(ConfigError) as e:
         _ = panel.config
@@ -64,7 +68,7 @@ def test_letters_in_a_number_field_get_one_message_under_it(field):
     # said once: under the field, not again in the error box, the memory box or the status
     assert copies(panel, "&#x27;abc&#x27;") == 1
     panel.train_button.click()
-    assert panel.run is None and "not started" in panel.status.value and field in panel.status.value
+    assert panel.run is None and "not started" in panel.status.value and html.escape(label) in panel.status.value
     assert copies(panel, "&#x27;abc&#x27;") == 1
     assert panel.tabs.selected_index == list(SECTIONS).index(section_of(field))
 
@@ -111,8 +115,8 @@ def test_a_bad_model_path_is_said_once_and_train_does_not_start(tmp_path):
     assert "no such directory" in panel.model_info.value
     assert panel.controls["model"].layout.border
     assert "waits until you fix the settings" in panel.memory.value and "no such" not in panel.memory.value
-    assert "not started: fix the setting marked in red (model)" in panel.status.value
-    assert "no such" not in panel.error.value and "Model › <b>model</b>" in panel.error.value
+    assert "not started: fix the setting marked in red (Model)" in panel.status.value
+    assert "no such" not in panel.error.value and "Model › <b>Model</b>" in panel.error.value
     assert panel.tabs.selected_index == list(SECTIONS).index("Model")
     assert panel.dashboard_area.children == before            # nothing on screen was cleared
     # the model is still a valid config value: it may exist where the config runs
@@ -130,7 +134,7 @@ def test_a_runs_field_error_is_said_once_under_the_field():
     panel.runner.finish(job, error=_hub_error("someorg/nomodel", "tokenizer", OSError("offline"), cache_only=True))
     assert copies(panel, "could not load its tokenizer") == 1
     assert "could not load" in panel.form.field_errors["model"].value
-    assert "ModelError" in panel.status.value and "fix the setting marked in red (model)" in panel.status.value
+    assert "ModelError" in panel.status.value and "fix the setting marked in red (Model)" in panel.status.value
     assert "could not" not in panel.error.value and "could not" not in panel.memory.value
 
 
@@ -225,7 +229,8 @@ def test_values_no_friendly_text_can_hold_still_round_trip(field, value):
 def test_a_bad_list_entry_gets_a_message_under_its_field(field, text, needle):
     panel = Panel(small(), debounce_s=0)
     panel.controls[field].value = text
-    assert needle in panel.form.field_errors[field].value and field in panel.form.field_errors[field].value
+    assert needle in panel.form.field_errors[field].value
+    assert panel.form.label(field) in panel.form.field_errors[field].value
     with pytest.raises(ConfigError) as e:
         _ = panel.config
     assert e.value.field == field

@@ -56,7 +56,10 @@ def session():
     panel.stop_button.click()
     seen["stopped"] = panel.wait(TIMEOUT)
     seen["after_stop"] = dict(open=panel.settings.selected_index, figure=panel.dashboard.figure,
-                              area=panel.dashboard_area.children, status=panel.status.value)
+                              area=panel.dashboard_area.children, status=panel.status.value,
+                              title=panel.settings.get_title(0))
+    panel.settings.selected_index = 0    # what a click on the folded title does
+    seen["clicked"] = panel.settings.selected_index
 
     panel.config = small(max_steps=3, subset=24, max_grad_norm=1.0)
     for p, box in panel.compare_choices.items():
@@ -66,7 +69,8 @@ def session():
     seen["cmp"] = panel.wait(TIMEOUT)
     seen["after_compare"] = dict(area=panel.summary_area.children + panel.dashboard_area.children,
                                  figure=panel.dashboard.figure,
-                                 texts=texts(panel.widget), status=panel.status.value, notes=panel.notes.value)
+                                 texts=texts(panel.widget), status=panel.status.value, notes=panel.notes.value,
+                                 open=panel.settings.selected_index)
     return panel, seen
 
 
@@ -79,15 +83,17 @@ def test_a_train_folds_the_settings_and_shows_the_figure_alone_under_the_status(
     assert panel.runner.board in panel.widget.children and panel.settings in panel.widget.children
     order = panel.widget.children
     assert order.index(panel.settings) < order.index(panel.runner.board)
-    assert panel.runner.board.children == (panel.summary_area, panel.dashboard_area)
+    assert panel.runner.board.children == (panel.runner.previous, panel.summary_area, panel.dashboard_area)
     assert any(panel.status in getattr(c, "children", ()) for c in order[:order.index(panel.settings)])
 
 
-def test_after_stop_the_settings_come_back_and_every_trace_keeps_its_steps(session):
+def test_after_stop_the_settings_stay_folded_and_every_trace_keeps_its_steps(session):
+    # issue 46 item 3: the answer stays in view where the run left it; a click on the title opens the settings
     panel, seen = session
     res, after = seen["stopped"], seen["after_stop"]
     assert res.summary["stopped_reason"] == "stopped" and "stopped" in after["status"]
-    assert after["open"] == 0
+    assert after["open"] is None and "click to open" in after["title"]
+    assert seen["clicked"] == 0
     assert after["area"][0] is after["figure"]
     assert_traces_at_steps(after["figure"], {"run": res.history})   # the memory line reaches the last step
 
@@ -109,6 +115,7 @@ def test_after_compare_verdicts_then_table_then_figure_each_once(session):
     shown = " ".join(after["texts"])
     assert len(re.findall(r"of updates lost", shown)) <= 1, shown
     assert after["notes"] == ""
+    assert after["open"] is None                                   # folded after the Compare too
 
 
 def test_a_start_that_fails_clears_nothing_of_the_last_comparison(session, tmp_path):
@@ -157,7 +164,8 @@ def test_a_compare_with_seeds_draws_its_band_in_the_figures_difference_row():
     assert cmp is not None and cmp.band is not None and len(cmp.results) == 2
     fig = panel.difference_view
     assert panel.summary_area.children == (panel.verdicts, panel.comparison_table)
-    assert panel.dashboard_area.children == (fig,)     # the figure stays where it was drawn while the run went
+    # the figure stays where it was drawn while the run went; the table's notes go under it (issue 46 item 3)
+    assert panel.dashboard_area.children == (fig, panel.runner.table_notes)
     assert fig is panel.dashboard.figure and difference_rows(fig) == 1
     kinds = [t.meta["kind"] for t in fig.data]
     assert kinds.count("noise_band_high") == 1 and kinds.count("noise_band_low") == 1

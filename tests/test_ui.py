@@ -234,7 +234,8 @@ def test_impossible_precision_is_disabled_with_its_reason_and_yields_no_config(f
     with pytest.raises(ConfigError) as e:
         _ = panel.config
     assert e.value.field == "precision"
-    assert "precision" in panel.error.value and "no bf16 at all" in panel.form.field_errors["precision"].value
+    assert "Precision › <b>Precision</b>" in panel.error.value   # where it is, by the field's label
+    assert "no bf16 at all" in panel.form.field_errors["precision"].value
     panel.train_button.click()
     assert panel.run is None and "not started" in panel.status.value
     assert panel.tabs.selected_index == list(SECTIONS).index("Precision")
@@ -288,7 +289,8 @@ def test_accumulation_shows_effective_batch_and_tokens_live():
 def test_invalid_value_shows_inline_message_and_starts_nothing(field, value, needle):
     panel = Panel(small(max_steps=2), debounce_s=0)
     panel.controls[field].value = value
-    assert field in panel.error.value and needle in panel.form.field_errors[field].value   # the message under it
+    assert panel.form.label(field) in panel.error.value                       # by the label the field shows
+    assert needle in panel.form.field_errors[field].value                      # the message under it
     assert panel.controls[field].layout.border    # the field is marked
     assert panel.errors[0]["field"] == field
     panel.train_button.click()
@@ -305,7 +307,7 @@ def test_cross_field_error_names_the_field():
     panel = Panel(small(), debounce_s=0)
     panel.controls["max_steps"].value = ""
     panel.controls["epochs"].value = ""
-    assert "max_steps" in panel.error.value
+    assert "Max steps" in panel.error.value
     panel.controls["epochs"].value = "1"
     assert panel.error.value == "" and panel.config.max_steps is None and panel.config.epochs == 1.0
 
@@ -557,7 +559,7 @@ def test_a_runs_config_error_marks_its_field():
     panel.runner.finish(job, error=ConfigError("precision: 'bf16' cannot run here: no bf16", field="precision"))
     assert "ConfigError" in panel.status.value and "no bf16" in panel.form.field_errors["precision"].value
     assert panel.controls["precision"].layout.border and not panel.controls["lr"].layout.border
-    assert "precision" in panel.error.value
+    assert "Precision › <b>Precision</b>" in panel.error.value
     assert panel.tabs.selected_index == list(SECTIONS).index("Precision")
     assert not panel.train_button.disabled
 

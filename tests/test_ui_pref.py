@@ -134,7 +134,8 @@ def test_an_invalid_combination_shows_the_configs_error_under_its_field(setup, f
     with pytest.raises(ConfigError):
         _ = panel.config
     panel.train_button.click()
-    assert panel.run is None and "not started" in panel.status.value and field in panel.status.value
+    label = html.escape(panel.form.label(field))   # the status names the field by its label
+    assert panel.run is None and "not started" in panel.status.value and label in panel.status.value
 
 
 def test_precompute_ref_off_dpo_is_an_error_and_stays_shown_to_untick():
@@ -173,7 +174,7 @@ def test_a_builtin_without_pairs_is_flagged_and_one_click_sets_the_pref_builtin(
     assert PREF_BUILTIN in html.unescape(panel.data_info.value)
     assert button.layout.display != "none" and PREF_BUILTIN in button.description
     panel.train_button.click()                                          # a run would fail on the data: refused
-    assert panel.run is None and "not started" in panel.status.value and "data" in panel.status.value
+    assert panel.run is None and "not started" in panel.status.value and "(Data)" in panel.status.value
     button.click()
     assert panel.controls["data"].value == PREF_BUILTIN
     assert panel.errors == [] and button.layout.display == "none"

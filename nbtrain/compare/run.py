@@ -20,7 +20,7 @@ import threading
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -83,7 +83,8 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
             subset: Optional[int] = None, max_steps: Optional[int] = None,
             variants: Optional[Mapping[str, Mapping[str, Any]]] = None,
             repeats: int = 1, callbacks=None, warmup: bool = True, stop=None,
-            reference: Optional[str] = None, seeds: Sequence[int] = (), aa: bool = False) -> ComparisonResult:
+            reference: Optional[str] = None, seeds: Sequence[int] = (), aa: bool = False,
+            progress: Optional[Callable[[dict], None]] = None) -> ComparisonResult:
     """Train ``cfg`` once per variant in this process and return a side-by-side ComparisonResult.
 
     Without ``variants`` there is one variant per name in ``precisions``. ``variants`` maps a name to
@@ -112,6 +113,11 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     the running variant stops after its current step, the later ones never start. An interrupt (Ctrl-C)
     does the same. ``ComparisonResult.completion`` then says which variants finished, were cut or did not run.
     transformers' load report of a checkpoint (its newly initialised head) is shown once per comparison.
+    ``progress`` (a function of one dict) hears every run's phase as it comes, the runs no callback sees included
+    (warm-up, later repeats, seed runs): ``{"phase": "warm-up" | "run" | "seed", "variant", "k", "n", "repeat",
+    "repeats", "event": "load" | "start" | "step", ...}`` ("load": before its data and model load; "start" adds
+    ``total`` and ``eval_examples``; "step" adds ``step``, ``total``, ``step_time_s``). A recorded run (repeat 1)
+    tells "load" only: its callbacks see the rest.
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"compare() takes a TrainConfig, got {type(cfg).__name__}")
@@ -141,9 +147,9 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
 
     with _load_reports_once(), _older_objects_frozen():
         # "stopped" or "interrupted" once the user ends the whole comparison; later variants then never start.
-        halted = _warm_up(runnable, stop) if warmup else None
+        halted = _warm_up(runnable, stop, progress) if warmup else None
         halted = _run_repeats(runnable, copy, wanted, repeats, callbacks, stop, halted, schedule,
-                              check_shared=not warmup)
+                              check_shared=not warmup, progress=progress)
         # A stop or a kernel interrupt ends the whole comparison: the user asked for it to end, not one variant.
         for o in outcomes:
             if halted and o.result is None and o.status == "not_run":
@@ -158,7 +164,7 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
             schedule.aa_notes += copy.notes
         seed_runs = _SeedRuns(requested=seeds)
         if seeds and ref_o.result is not None:
-            halted = _run_seeds(ref_o, seeds, seed_runs, stop, halted)
+            halted = _run_seeds(ref_o, seeds, seed_runs, stop, halted, progress)
     warns = _check_fairness(outcomes, reference)
     for w in warns:
         warnings.warn(w, ComparisonWarning, stacklevel=2)
@@ -218,7 +224,8 @@ def _rotated(slots: list, r: int) -> list:
 
 
 def _run_repeats(runnable: list[_Outcome], copy: Optional[_Outcome], reference: str, repeats: int, callbacks,
-                 stop, halted: Optional[str], schedule: _Schedule, check_shared: bool) -> Optional[str]:
+                 stop, halted: Optional[str], schedule: _Schedule, check_shared: bool,
+                 progress=None) -> Optional[str]:
     """Every repeat of every variant (and the A/A ``copy``), repeat r in the order rotated by r; returns
     ``halted``. Repeat 0 is the recorded one: callbacks, the init hash, the kept result. With ``check_shared``
     the first run's bad input is raised when every variant shares it."""
@@ -226,7 +233,7 @@ def _run_repeats(runnable: list[_Outcome], copy: Optional[_Outcome], reference: 
     slots = runnable + ([copy] if copy is not None else [])
     for r in range(repeats):
         started = []
-        for o in _rotated(slots, r):
+        for k, o in enumerate(_rotated(slots, r), 1):
             halted = halted or _stop_requested(stop)
             if halted or o.status in ("error", "out_of_memory"):
                 continue
@@ -234,20 +241,23 @@ def _run_repeats(runnable: list[_Outcome], copy: Optional[_Outcome], reference: 
                 continue   # a copy of a reference that fails measures nothing
             started.append(o.name)
             shared = runnable if check_shared and r == 0 and len(started) == 1 else None
+            phase = dict(phase="run", variant=o.name, k=k, n=len(slots), repeat=r + 1, repeats=repeats)
             halted = _run_once(o, recorded=(r == 0 and o is not copy), callbacks=callbacks, stop=stop,
-                               halted=halted, shared_with=shared)
+                               halted=halted, shared_with=shared, progress=_Phases(progress, phase))
         if started:
             schedule.run_order.append(started)
     return halted
 
 
 def _run_once(o: _Outcome, recorded: bool, callbacks, stop, halted: Optional[str],
-              shared_with: Optional[list[_Outcome]] = None) -> Optional[str]:
+              shared_with: Optional[list[_Outcome]] = None, progress: Optional["_Phases"] = None) -> Optional[str]:
     """One run of ``o`` (``recorded``: with the callbacks, its result kept); its timing goes to ``o.timings``.
     Returns ``halted``."""
     run_cfg = o.config if recorded else _unrecorded(o.config)
+    progress = progress or _Phases(None, {})
+    progress.tell("load")
     try:
-        result = _run_variant(o, run_cfg, callbacks if recorded else None, first=recorded, stop=stop,
+        result = _run_variant(o, run_cfg, callbacks if recorded else progress.callbacks(), first=recorded, stop=stop,
                               shared_with=shared_with)
     except KeyboardInterrupt:  # before the loop's own handler is in place (data, model building)
         result, halted = None, "interrupted"
@@ -298,7 +308,7 @@ WARMUP_STEPS_FIRST = 2
 WARMUP_STEPS = 1
 
 
-def _warm_up(runnable: list[_Outcome], stop=None) -> Optional[str]:
+def _warm_up(runnable: list[_Outcome], stop=None, progress=None) -> Optional[str]:
     """A few untimed steps of every runnable variant (WARMUP_STEPS_FIRST of the first, WARMUP_STEPS of the others),
     results discarded; "interrupted" or "stopped" when the user ended them. A bad input that every variant shares
     is raised at the first, before any variant runs; another variant's failure is left to its timed run's row."""
@@ -307,8 +317,10 @@ def _warm_up(runnable: list[_Outcome], stop=None) -> Optional[str]:
         if halted:
             return halted
         steps = WARMUP_STEPS_FIRST if i == 0 else WARMUP_STEPS
+        phases = _Phases(progress, dict(phase="warm-up", variant=o.name, k=i + 1, n=len(runnable)))
+        phases.tell("load")
         try:
-            res = _loop._run(_unrecorded(o.config, max_steps=steps, eval_every=None), None,
+            res = _loop._run(_unrecorded(o.config, max_steps=steps, eval_every=None), phases.callbacks(),
                              stop_event=_RunStop(stop), variant=f"{o.name} (warm-up)")
         except KeyboardInterrupt:
             return "interrupted"
@@ -323,6 +335,29 @@ def _warm_up(runnable: list[_Outcome], stop=None) -> Optional[str]:
         if reason == "interrupted":
             return "interrupted"
     return _stop_requested(stop)
+
+
+class _Phases:
+    """What one run tells ``compare(progress=...)``: "load" before it, and for a run that no callback sees (warm-up,
+    a later repeat, a seed run) its start and steps, through the callback ``callbacks()`` gives."""
+
+    def __init__(self, progress: Optional[Callable[[dict], None]], phase: dict):
+        self.progress, self.phase = progress, phase
+        self.total = None
+
+    def tell(self, event: str, **more) -> None:
+        if self.progress is not None:
+            self.progress({**self.phase, "event": event, **more})
+
+    def callbacks(self) -> Optional[list]:
+        return [self] if self.progress is not None else None
+
+    def on_run_start(self, info) -> None:
+        self.total = info.total_steps
+        self.tell("start", total=info.total_steps, eval_examples=info.eval_examples)
+
+    def on_step_end(self, record) -> None:
+        self.tell("step", step=record.step, total=self.total, step_time_s=record.step_time_s)
 
 
 def _shared_input_error(e: Exception, failed: TrainConfig, runnable: list[_Outcome]) -> Optional[Exception]:
@@ -419,16 +454,19 @@ def _seed_config(cfg: TrainConfig, seed: int) -> TrainConfig:
 
 
 def _run_seeds(ref: _Outcome, seeds: tuple[int, ...], runs: _SeedRuns, stop,
-               halted: Optional[str]) -> Optional[str]:
+               halted: Optional[str], progress=None) -> Optional[str]:
     """Run ``ref``'s config under each seed of ``seeds`` but its own, into ``runs``; returns ``halted``."""
     runs.reference_seed = ref.config.seed
-    for seed in (s for s in seeds if s != ref.config.seed):
+    others = [s for s in seeds if s != ref.config.seed]
+    for k, seed in enumerate(others, 1):
         halted = halted or _stop_requested(stop)
         if halted:
             runs.notes.append(f"seed {seed}: not run, the comparison was {halted}")
             continue
+        phases = _Phases(progress, dict(phase="seed", variant=ref.name, seed=seed, k=k, n=len(others)))
+        phases.tell("load")
         try:
-            res = _loop._run(_seed_config(ref.config, seed), None, stop_event=_RunStop(stop),
+            res = _loop._run(_seed_config(ref.config, seed), phases.callbacks(), stop_event=_RunStop(stop),
                              variant=f"{ref.name} (seed {seed})")
         except KeyboardInterrupt:
             halted = "interrupted"

@@ -42,19 +42,22 @@ def default_config() -> TrainConfig:
     return cfg.replace(lr=preset_lr(cfg.model))
 
 
-def field_error_html(field: str, messages: list[str]) -> str:
-    """The line under a field: what is wrong with the value typed there, naming the field."""
-    return render.small("<br>".join(f"⚠ <b>{render.esc(field)}</b>: {render.esc(m)}" for m in messages), render.RED)
+def field_error_html(label: str, messages: list[str]) -> str:
+    """The line under a field: what is wrong with the value typed there, naming the field by the label it shows."""
+    return render.small("<br>".join(f"⚠ <b>{render.esc(label)}</b>: {render.esc(m)}" for m in messages), render.RED)
 
 
-def error_box_html(errors: list[dict], where: dict[str, str], inline: set) -> str:
+def error_box_html(errors: list[dict], where: dict[str, str], inline: set,
+                   labels: Optional[dict[str, str]] = None) -> str:
     """The ⚠ box under the tabs: errors that belong to no field in full; for the fields in ``inline`` (their
-    message is under them) only where they are, so a message is never shown twice."""
+    message is under them) only where they are, by the label the field shows, so a message is never shown twice."""
+    labels = labels or {}
     loose = [e for e in errors if e.get("field") not in inline]
     marked = list(dict.fromkeys(e.get("field") for e in errors if e.get("field") in inline))
     parts = [render.errors_html(loose, where)] if loose else []
     if marked:
-        places = " · ".join(f"{render.esc(where.get(f, 'Training'))} › <b>{render.esc(f)}</b>" for f in marked)
+        places = " · ".join(f"{render.esc(where.get(f, 'Training'))} › <b>{render.esc(labels.get(f, f))}</b>"
+                            for f in marked)
         parts.append(f'<div style="color:{render.RED};padding:2px 8px">⚠ to fix, marked in red under the field: '
                      f'{places}</div>')
     return "".join(parts)
@@ -114,6 +117,12 @@ OBJECTIVE_HINTS: dict[str, str] = {
 }
 # the builtin with preference pairs the panel offers when a preference objective meets a builtin without them
 PREF_BUILTIN = "builtin:python-docs-pref"
+
+# What a blank box of these fields takes, said instead of "must be a non-empty string".
+BLANK_TAKES = {
+    "model": "a preset (e.g. tiny), a local directory with config.json, or a Hub id like org/name",
+    "data": "builtin:<name> (e.g. builtin:python-docs), a file or folder, or a Hub dataset id like org/name",
+}
 
 # A model is a directory (or a preset, or a Hub id): a value ending like one of its files is a mistyped path.
 _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -347,6 +356,17 @@ def data_format_info(raw: dict, codecs: dict) -> tuple[str, str]:
     return (f"format: <b>{render.esc(fmt)}</b> ({how}) · chat template: {template} · {train_on}"), render.GREY
 
 
+def lr_moved_words(old: float, new: float, model: str) -> str:
+    """What a model change did to the learning rate, in words (said beside the field)."""
+    try:
+        from ..models import PRESETS
+    except Exception:
+        PRESETS = {}
+    why = (f"{model}'s preset learning rate" if model.strip() in PRESETS
+           else "the default for a model without a preset")
+    return f"Learning rate changed {old:g} → {new:g} with the model: {why}; type another value to keep your own"
+
+
 def _missing_model(name: str) -> str:
     return (f"no such directory: {render.esc(name)} (a model is a preset, a local directory with config.json, "
             "or a Hub id like org/name)")
@@ -371,6 +391,9 @@ class Form:
         self._holding = False
         # what the info lines under model and data flag in red (a path not here): Train refuses it, memory waits
         self._problems: dict[str, str] = {}
+        # what a model change did to lr ("" when nothing): said beside the lr field and under the model
+        self.lr_moved = ""
+        self._moving_lr = False
         self.codecs = self._make_codecs()
         self.controls: dict[str, widgets.Widget] = {name: codec.make() for name, codec in self.codecs.items()}
         self.help = {name: widgets.HTML(render.small(render.esc(help_text(name)))) for name in self.controls}
@@ -384,6 +407,7 @@ class Form:
                 target.tooltip = help_text(name)
         self.rows = {name: self._row(name) for name in self.controls}
         self.model_info = widgets.HTML()
+        self.lr_note = widgets.HTML(layout=widgets.Layout(display="none"))   # under the model: lr moved with it
         self.data_info = widgets.HTML()
         self.precision_info = widgets.HTML()
         self.accumulation_info = widgets.HTML()
@@ -403,6 +427,7 @@ class Form:
         for w in (*self.controls.values(), self.processes):
             w.observe(self._changed, names="value")
         self.controls["model"].observe(self._follow_preset_lr, names="value")
+        self.controls["lr"].observe(self._lr_edited, names="value")
 
     # -- construction ------------------------------------------------------------------------
     def _make_codecs(self) -> dict[str, Codec]:
@@ -442,7 +467,7 @@ class Form:
                             layout=widgets.Layout(align_items="center", flex_flow="row wrap"))
 
     def _build_tabs(self) -> widgets.Tab:
-        extra = {"Model": [self.model_info], "Data": [self.data_info, self.pref_data_button],
+        extra = {"Model": [self.model_info, self.lr_note], "Data": [self.data_info, self.pref_data_button],
                  "Precision": [self.precision_info], "Accumulation": [self.accumulation_info],
                  "Method": [self.method_info], "Objective": [self.objective_info, self.pref_data_button],
                  "Processes": [self.processes_info]}
@@ -507,6 +532,18 @@ class Form:
 
     def validate(self) -> tuple[Optional[TrainConfig], list[dict]]:
         """``(config, [])`` for valid values, else ``(None, errors)``: each error names its field."""
+        cfg, errors = self._validate()
+        return cfg, [self._blank_words(e) for e in errors]
+
+    def _blank_words(self, error: dict) -> dict:
+        # TrainConfig's "must be a non-empty string" says what is wrong, not what goes there: a blank box with a
+        # known set of values says what it takes instead.
+        field = error.get("field")
+        if field in BLANK_TAKES and not str(self.controls[field].value or "").strip():
+            return {**error, "message": f"is blank: give {BLANK_TAKES[field]}"}
+        return error
+
+    def _validate(self) -> tuple[Optional[TrainConfig], list[dict]]:
         values, errors = self._values()
         if errors:
             return None, errors + self._other_errors(values, {e["field"] for e in errors})
@@ -585,9 +622,19 @@ class Form:
             messages = list(dict.fromkeys(str(e.get("message", "invalid")) for e in errors
                                           if e.get("field") == name and not e.get("shown")))
             line = self.field_errors[name]
-            line.value = field_error_html(name, messages) if messages else ""
+            line.value = field_error_html(self.label(name), messages) if messages else ""
             line.layout.display = "" if messages else "none"
-        self.error.value = error_box_html(errors, {f: section_of(f) for f in self.controls}, bad & set(self.controls))
+        self.error.value = error_box_html(errors, {f: section_of(f) for f in self.controls}, bad & set(self.controls),
+                                          {f: self.label(f) for f in bad & set(self.controls)})
+
+    def label(self, field: str) -> str:
+        """The label a field shows on the panel ("Learning rate" for lr): what every message names it by; a name
+        that is no field (the error box's "config", "yaml") as it is."""
+        w = self.controls.get(field)
+        if w is None:
+            return str(field)
+        text = w.label.value if isinstance(w, Choice) else getattr(w, "description", "")
+        return str(text or field)
 
     def add_errors(self, errors: list[dict]) -> None:
         """Show ``errors`` (a run's or an estimate's, on a field) with the ones shown now; a field's newer message
@@ -597,16 +644,38 @@ class Form:
 
     def _follow_preset_lr(self, change) -> None:
         # A new model moves lr to its own default only while lr holds the old model's default: an lr the user typed
-        # is never changed behind their back.
+        # is never changed behind their back, and a moved one is said beside the field (and under the model).
         if self._holding:
             return
+        self.lr_moved = ""
         try:
             lr = self.codecs["lr"].decode(self.controls["lr"].value)
         except ValueError:
-            return
+            lr = None
         old, new = preset_lr(change["old"]), preset_lr(change["new"])
-        if lr == old and new != old:
-            self.controls["lr"].value = self.codecs["lr"].encode(new)
+        if lr is not None and lr == old and new != old:
+            self.lr_moved = lr_moved_words(old, new, str(change["new"]))
+            self._moving_lr = True
+            try:
+                self.controls["lr"].value = self.codecs["lr"].encode(new)
+            finally:
+                self._moving_lr = False
+        self._show_lr_moved()
+
+    def _lr_edited(self, _change) -> None:
+        # the user's own lr: what the model change did to it is no longer what the field holds
+        if not self._moving_lr and self.lr_moved:
+            self.lr_moved = ""
+            self._show_lr_moved()
+
+    def _show_lr_moved(self) -> None:
+        line = render.esc(help_text("lr"))
+        if self.lr_moved:
+            line += f" · <span style='color:{render.AMBER}'>{render.esc(self.lr_moved)}</span>"
+        self.help["lr"].value = render.small(line)
+        self.lr_note.value = (render.small(f"{render.esc(self.lr_moved)} (Training tab)", render.AMBER)
+                              if self.lr_moved else "")
+        self.lr_note.layout.display = "" if self.lr_moved else "none"
 
     def select(self, field: Optional[str]) -> None:
         """Show the tab of ``field`` (when it is one)."""
@@ -654,7 +723,9 @@ class Form:
         self._problems.pop("data", None)
         name = str(raw["data"]).strip()
         color = render.GREY
-        if name.startswith("builtin:"):
+        if not name:   # the line under the field says what goes there: once
+            text = ""
+        elif name.startswith("builtin:"):
             try:
                 from ..data import BUILTINS
 
@@ -677,7 +748,8 @@ class Form:
         fmt, fmt_color = data_format_info(raw, self.codecs) if color != render.RED else ("", color)
         if render.RED in (color, fmt_color):   # a run would fail on it: Train says so before starting
             self._problems["data"] = html.unescape(text if color == render.RED else fmt)
-        self.data_info.value = render.small(text, color) + ("<br>" + render.small(fmt, fmt_color) if fmt else "")
+        self.data_info.value = (render.small(text, color) if text else "") + (
+            ("<br>" if text else "") + render.small(fmt, fmt_color) if fmt else "")
         # The label column only matters for classification, the image column only for images.
         self.controls["label_column"].disabled = raw["task"] == "causal-lm"
         self.controls["image_column"].disabled = raw["task"] != "image-classification"

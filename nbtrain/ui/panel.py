@@ -34,6 +34,7 @@ __all__ = ["Panel", "SECTIONS", "section_of"]
 
 SETTINGS_OPEN = "Settings"
 SETTINGS_FOLDED = "Settings (folded while the run goes: click to open)"
+SETTINGS_DONE = "Settings (folded: click to open)"
 
 
 def _tensors_line(est, cfg: TrainConfig) -> str:
@@ -77,9 +78,10 @@ def _processes_line(est, cfg: TrainConfig, processes: int, divided: bool, device
     return "<br>" + render.small(line)
 
 
-def _fix_marked(errors: list[dict]) -> str:
-    """What the status says of settings to fix: where they are, never their messages (those are under the fields)."""
-    fields = list(dict.fromkeys(str(e.get("field")) for e in errors if e.get("field")))
+def _fix_marked(errors: list[dict], label=str) -> str:
+    """What the status says of settings to fix: where they are, by the labels the fields show (``label``: field ->
+    its label), never their messages (those are under the fields)."""
+    fields = list(dict.fromkeys(label(str(e.get("field"))) for e in errors if e.get("field")))
     if len(fields) == 1:
         return f"fix the setting marked in red ({render.esc(fields[0])})"
     return f"fix the settings marked in red ({render.esc(', '.join(fields))})" if fields else "see the ⚠ message"
@@ -111,7 +113,8 @@ class Panel:
         self._mem_timer = None
         self._mem_gen = 0   # bumped on every change: an estimate for older values is never shown
 
-        self.form = Form(self.caps, on_change=self._schedule_memory)
+        self._fixing = None   # (what the status said, the marked fields' values then) while it says "fix ..."
+        self.form = Form(self.caps, on_change=self._form_changed)
         self.runner = Runner(self.caps, PRECISION_HINTS, callbacks=callbacks or (),
                              on_field_error=self._mark_run_errors, on_busy=self._fold_settings)
         self._build()
@@ -151,10 +154,20 @@ class Panel:
         self.widget.add_class("nbtrain-panel")
 
     def _fold_settings(self, busy: bool) -> None:
-        """Fold the settings while a run goes (the status and the live figure then share one screen); open them
-        again when it ends."""
-        self.settings.selected_index = None if busy else 0
-        self.settings.set_title(0, SETTINGS_FOLDED if busy else SETTINGS_OPEN)
+        """Fold the settings while a run goes (the status and the live figure then share one screen), and keep
+        them folded when it ends: the status, the verdicts, the table and the figure are the answer, and stay in
+        view where the run left them (a click on the title opens the settings). A press that failed opens them
+        again: the fix is in there."""
+        if busy:
+            self.settings.selected_index = None
+            self.settings.set_title(0, SETTINGS_FOLDED)
+            return
+        job = self.runner.job
+        if job is not None and job.outcome is None:
+            self.settings.selected_index = 0
+            self.settings.set_title(0, SETTINGS_OPEN)
+        else:
+            self.settings.set_title(0, SETTINGS_DONE)
 
     # -- the parts, by their names on the panel -----------------------------------------------
     controls = property(lambda self: self.form.controls, doc="TrainConfig field -> its widget")
@@ -256,11 +269,44 @@ class Panel:
             out = self.form.save_yaml(path)
         except ConfigError as e:
             self.form.show_errors(e.errors)
-            self.runner.set_status(f"not saved: {_fix_marked(e.errors)}", render.RED)
+            self._say_fix("not saved: ", e.errors)
             e.nbtrain_shown = True
             raise
         self.runner.set_status(f"saved {render.esc(path)}", render.GREY)
         return out
+
+    # -- the status line of settings to fix ------------------------------------------------------
+    def _say_fix(self, prefix: str, errors: list[dict]) -> None:
+        """The status names the settings to fix; it follows them as they are fixed (see ``_follow_fixes``)."""
+        self.runner.set_status(prefix + _fix_marked(errors, self.form.label), render.RED)
+        fields = [f for f in dict.fromkeys(str(e.get("field")) for e in errors) if f in self.controls]
+        self._fixing = ((prefix, self.status.value, {f: self.controls[f].value for f in fields})
+                        if fields else None)
+
+    def _follow_fixes(self) -> None:
+        # A setting is fixed once its value changed and it is marked no more; the status then names only the ones
+        # left, and none once all are: a fixed error is never left up there.
+        if self._fixing is None:
+            return
+        prefix, said, values = self._fixing
+        if self.status.value != said:   # something else was said since: not ours to change
+            self._fixing = None
+            return
+        marked = {e.get("field") for e in self.form.errors}
+        left = [f for f, v in values.items() if f in marked or self.controls[f].value == v]
+        if len(left) == len(values):
+            return
+        if left:
+            self._say_fix(prefix, [{"field": f} for f in left])
+            self._fixing = (prefix, self.status.value, {f: values[f] for f in left})
+        else:
+            self._fixing = None
+            self.runner.set_status("ready: " + ("the setting marked in red is fixed" if len(values) == 1
+                                                else "the settings marked in red are fixed"), render.GREY)
+
+    def _form_changed(self) -> None:
+        self._follow_fixes()
+        self._schedule_memory()
 
     # -- memory readout ----------------------------------------------------------------------
     def _schedule_memory(self) -> None:
@@ -362,7 +408,7 @@ class Panel:
                 return   # fn said it where it belongs already; once is enough
             if isinstance(e, ConfigError):
                 self.form.show_errors(e.errors)
-                self.runner.set_status(f"not done: {_fix_marked(e.errors)}", render.RED)
+                self._say_fix("not done: ", e.errors)
             else:
                 self.runner.set_status(f"error: {render.esc(type(e).__name__)}: {render.esc(e)}", render.RED)
 
@@ -377,7 +423,7 @@ class Panel:
         self.form.show_errors(errors)
         if errors:
             self.form.select(errors[0].get("field"))
-            self.runner.set_status(f"not started: {_fix_marked(errors)}", render.RED)
+            self._say_fix("not started: ", errors)
             return None
         problem = processes_problem(self.caps, self.processes)
         if problem:
@@ -422,7 +468,7 @@ class Panel:
             self.form.select(known[0]["field"])
             kind = next((m.group(1) for m in [re.match(r'<span[^>]*>error: (\w+):', self.status.value or "")] if m),
                         "error")
-            self.runner.set_status(f"error: {render.esc(kind)}: {_fix_marked(known)}", render.RED)
+            self._say_fix(f"error: {render.esc(kind)}: ", known)
 
     def _on_train(self) -> None:
         cfg = self._start_checks()

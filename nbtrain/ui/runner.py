@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import ipywidgets as widgets
@@ -65,6 +66,26 @@ class LiveFigureOutput:
         self._draw()
 
 
+PREVIOUS_WORDS = ("below: the previous run's results and figure; this run's figure replaces them at its first "
+                  "step")
+PREVIOUS_KEPT = "below: the previous run's results and figure (this one ended before its first step)"
+
+
+def conversion_words(cfg) -> str:
+    """What the first load of ``cfg``'s model adds ("" for none): a GGUF model not converted yet is dequantized
+    on this first use."""
+    try:
+        from ..models import gguf
+        from ..models.loading import resolve_source
+
+        src = resolve_source(str(cfg.model))
+        if src.kind == "gguf" and not gguf.is_converted(Path(src.name)):
+            return "the GGUF model is converted on this first use: ~20-30 s for 135M parameters, then cached"
+    except Exception:   # a model that does not resolve: its run says why
+        return ""
+    return ""
+
+
 class Job:
     """One Train or Compare press: its kind, stop request, run (Train) and completion; for a Compare, its
     variants and the extra seeds of the reference run after them."""
@@ -81,7 +102,12 @@ class Job:
         self.revealed = False   # whether its live figure has replaced what the last job left on screen
         self.shown = None       # the widget that shows its live figure
         self.outcome = None     # its TrainResult or ComparisonResult (None: it failed, or has not ended)
+        self.cfg = None         # the config it runs
         self.where = ""      # what the status line adds for a launched Train ("2 processes · fsdp")
+        self.steps: Optional[int] = None   # a run's optimizer steps (the config's max_steps until a run says)
+        self.eval_planned = False          # whether a run ends with an eval on held-out examples
+        self.converting = ""               # said while the first model loads: a GGUF model converted on first use
+        self.repeats = 1
 
     def halt(self) -> None:
         """Ask this job to end after the current step (no widget updates: also called at interpreter exit)."""
@@ -90,49 +116,155 @@ class Job:
             self.run.stop()
 
 
-class StatusCallback:
-    """The runner's own callback: status line while running, result and buttons when the run ends."""
+def time_left_words(seconds: float) -> str:
+    """An estimate of the time left, rounded as a person reads it: "about 40 s left", "about 3 min left"."""
+    s = max(1, int(round(seconds)))
+    if s < 90:
+        return f"about {s} s left"
+    if s < 3600:
+        return f"about {round(s / 60)} min left"
+    h, m = divmod(round(s / 60), 60)
+    return f"about {h} h {m:02d} min left"
 
-    MIN_INTERVAL = 0.25  # status updates per second are capped: each one is a message to the frontend
+
+def phase_label(phase: Optional[dict]) -> str:
+    """What a Compare's run is, for the status line: "fp16 (2 of 3)", "warm-up (untimed) fp32, 1 of 3", ..."""
+    if not phase:
+        return ""
+    k, n, v = phase.get("k"), phase.get("n"), phase.get("variant")
+    if phase.get("phase") == "warm-up":
+        return f"warm-up (untimed) {v}, {k} of {n}"
+    if phase.get("phase") == "seed":
+        return f"noise band: {v} under seed {phase.get('seed')} ({k} of {n})"
+    repeats = int(phase.get("repeats") or 1)
+    return f"{v} ({k} of {n})" + (f", repeat {phase.get('repeat')} of {repeats}" if repeats > 1 else "")
+
+
+class StatusCallback:
+    """The runner's own callback: the status line from the first second (what is loading, which run of a Compare
+    and how far it is, the end-of-run eval, the time left once a step is timed), and the result and buttons when
+    the run ends. A Compare also tells it its phases (``on_phase``), the runs no callback sees included."""
+
+    MIN_INTERVAL = 0.25  # step lines per second are capped: each one is a message to the frontend
 
     def __init__(self, runner: Runner, job: Job):
         self.runner, self.job = runner, job
         self.total = None
         self.variant = None
+        self.phase: Optional[dict] = None   # the Compare's run now going (None: a Train)
+        self.times: list[float] = []        # the step times of the run now going
+        self.eval_examples = 0
         self._last = 0.0
 
+    # -- a Compare's phases -----------------------------------------------------------------------
+    def on_phase(self, phase: dict) -> None:
+        """compare()'s ``progress``: a run about to load, and the start and steps of a run no callback sees."""
+        event = phase.get("event")
+        if event == "load":
+            self.phase, self.times, self.total = phase, [], None
+            self._say(f"{phase_label(phase)}: {self._loading()}")
+        elif event == "start":
+            self._started(phase.get("total"), phase.get("eval_examples"))
+            self._say(f"{phase_label(phase)}: step 0/{self.total}")
+        elif event == "step":
+            self._stepped(phase.get("step"), phase.get("step_time_s"))
+
+    # -- the recorded runs' callbacks ------------------------------------------------------------
     def on_run_start(self, info) -> None:
         # A Stop during a comparison ends it through compare(stop=...): the later variants never start.
-        self.total, self.variant = info.total_steps, info.variant
+        self.variant = info.variant
+        self._started(info.total_steps, info.eval_examples)
         where = f"{info.device} · {info.precision_used}" + (" + GradScaler" if info.scaler_enabled else "")
-        self.runner.set_status(f"running{self._name()}: step 0/{self.total} ({where})", render.GREY)
+        self._say(f"running{self._name()}: step 0/{self.total} ({where})")
 
     def on_step_end(self, record) -> None:
         # A launched run's callbacks fire on its reader thread, where StopTraining would only end the reading:
         # its workers are stopped by Job.halt (the stop file) instead.
         if self.job.stop.is_set() and self.job.processes <= 1:
             raise StopTraining
-        now = time.monotonic()
-        if now - self._last >= self.MIN_INTERVAL or record.step == self.total:
-            self._last = now
-            loss = f"{record.loss:.4g}" if record.loss is not None and math.isfinite(record.loss) else record.loss
-            self.runner.set_status(f"running{self._name()}: step {record.step}/{self.total} · loss {loss}",
-                                   render.GREY)
+        loss = f"{record.loss:.4g}" if record.loss is not None and math.isfinite(record.loss) else record.loss
+        self._stepped(record.step, record.step_time_s, f" · loss {loss}")
 
     def on_run_end(self, result) -> None:
         if self.job.kind == "train":
             self.runner.finish(self.job, result=result)
-        elif (self.job.extra_seeds and self.job.variants and self.variant == self.job.variants[-1]
-              and not self.job.stop.is_set()):
-            # The seed runs take no callbacks: without this the line would go on showing the last variant.
-            n = len(self.job.extra_seeds)
-            self.runner.set_status(f"noise band: running {self.job.variants[0]} under {n} extra seed"
-                                   f"{'s' if n > 1 else ''} ({', '.join(map(str, self.job.extra_seeds))})…",
-                                   render.GREY)
+
+    # -- the words -------------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if not self.job.stop.is_set():   # after Stop the line says what is left to do: stopping, then the eval
+            self.runner.set_status(text, render.GREY)
+
+    def _loading(self) -> str:
+        words = "loading data and model" + (f" ({self.job.converting})" if self.job.converting else "")
+        return words + "…"
+
+    def _started(self, total, eval_examples) -> None:
+        self.total, self.times = total, []
+        self.job.converting = ""   # loaded: a GGUF model is converted now, the next loads read its copy
+        self.job.eval_planned = bool(eval_examples)
+        self.eval_examples = int(eval_examples or 0)
+        if self.phase is None or self.phase.get("phase") != "warm-up":
+            self.job.steps = total
+
+    def _stepped(self, step, step_time_s, extra: str = "") -> None:
+        if step_time_s is not None and math.isfinite(step_time_s) and step_time_s > 0:
+            self.times.append(float(step_time_s))
+        last = step is not None and self.total is not None and step >= self.total
+        if last and self.eval_examples:
+            # what follows the last step: the (sample prompts' answers and the) end-of-run eval, which can take a
+            # while on a big held-out split; the line says so instead of holding the last step
+            self._say(f"{self._what()}: step {step}/{self.total} done · {self._eval_words()}")
+            return
+        now = time.monotonic()
+        if now - self._last < self.MIN_INTERVAL and not last:
+            return
+        self._last = now
+        left = self._seconds_left(step)
+        self._say(f"{self._what()}: step {step}/{self.total}{extra}"
+                  + (f" · {time_left_words(left)}" if left is not None else ""))
+
+    def _eval_words(self) -> str:
+        prompts = (getattr(self.job.cfg, "sample_prompts", None) or []) if self.phase is None or (
+            self.phase.get("phase") == "run" and self.phase.get("repeat") == 1) else []
+        answers = "answering the sample prompts, then " if prompts else ""
+        return f"{answers}end-of-run eval on {self.eval_examples} held-out examples…"
+
+    def _what(self) -> str:
+        if self.phase is not None and (self.phase.get("phase") != "run" or self.variant is None
+                                       or self.phase.get("repeat", 1) > 1):
+            return phase_label(self.phase)
+        return f"running{self._name()}"
+
+    def _seconds_left(self, step) -> Optional[float]:
+        """Steps still to run (this run's and, in a Compare, every run's to come) at this run's median step time;
+        None before a step has been timed."""
+        if not self.times or step is None or self.total is None:
+            return None
+        pace = sorted(self.times)[len(self.times) // 2]
+        steps = max(0, self.total - step) + self._steps_to_come()
+        return steps * pace
+
+    def _steps_to_come(self) -> int:
+        """In a Compare, the optimizer steps of the runs after this one (those whose length is known)."""
+        phase, job = self.phase, self.job
+        if phase is None:
+            return 0
+        per_run = job.steps or 0
+        seeds = len(job.extra_seeds)
+        k, n = int(phase.get("k") or 1), int(phase.get("n") or 1)
+        if phase.get("phase") == "warm-up":
+            from ..compare.run import WARMUP_STEPS
+
+            return (n - k) * WARMUP_STEPS + (job.repeats * n + seeds) * per_run
+        if phase.get("phase") == "seed":
+            return (n - k) * per_run
+        r = int(phase.get("repeat") or 1)
+        return ((n - k) + (job.repeats - r) * n + seeds) * per_run
 
     def _name(self) -> str:
         # a launched Train says so on every line: "running (2 processes · fsdp): step 3/100 · ..."
-        return (f" {self.variant}" if self.variant else "") + (f" ({self.job.where})" if self.job.where else "")
+        name = phase_label(self.phase) if self.phase is not None else (self.variant or "")
+        return (f" {name}" if name else "") + (f" ({self.job.where})" if self.job.where else "")
 
 
 class RevealCallback:
@@ -195,6 +327,7 @@ class Runner:
         self.result = None
         self.comparison = None
         self.comparison_table = None
+        self.table_notes = None   # after a Compare: the table's notes and its full table, under the figure
         self.dashboard = None
         self.live_figure: Optional[LiveFigureOutput] = None   # the live figure where no FigureWidget renders
         self.job: Optional[Job] = None
@@ -216,7 +349,7 @@ class Runner:
                                 description=p, indent=False, layout=widgets.Layout(width="auto", margin="0 8px 0 0"),
                                 tooltip=caps.reasons.get(p) or hints.get(p, p))
             for p in PRECISIONS}
-        # Named as compare()'s arguments, which the verdicts' advice names ("repeats=5", "seeds=(0, 1, 2)").
+        # Labelled as compare()'s arguments; a Panel comparison's advice names these controls ("set repeats to 5").
         self.repeats_control = widgets.Dropdown(
             options=[(str(n), n) for n in REPEATS_CHOICES], value=1, description="repeats:",
             style={"description_width": "60px"}, layout=widgets.Layout(width="130px", margin="0 0 0 8px"),
@@ -238,7 +371,9 @@ class Runner:
         # width (a view is drawn before the page holds it).
         self.summary_area = widgets.VBox()
         self.dashboard_area = widgets.VBox()
-        self.board = widgets.VBox([self.summary_area, self.dashboard_area])
+        # over what the last press left while a new one has not drawn its first step: says whose it is
+        self.previous = widgets.HTML(layout=widgets.Layout(display="none"))
+        self.board = widgets.VBox([self.previous, self.summary_area, self.dashboard_area])
         self.board.add_class("nbtrain-dashboard")
         # The sample prompts' answers, under the figure: the latest during a run, the last step's after a Train
         # (after a Compare the comparison's table shows each variant's answers side by side instead).
@@ -267,12 +402,19 @@ class Runner:
         return tuple((cfg.seed + i) % 2 ** 32 for i in range(n + 1)) if n else ()
 
     # -- starting -------------------------------------------------------------------------------
-    def begin(self, kind: str) -> Job:
+    def begin(self, kind: str, cfg=None) -> Job:
         """A new job: Train and Compare disabled, Stop enabled, the settings folded (``on_busy``). What the last run
-        or comparison left on screen stays until this one's first run starts (:meth:`reveal`): a start that fails
-        clears nothing."""
+        or comparison left on screen stays until this one's first run starts (:meth:`reveal`), marked as the
+        previous run's: a start that fails clears nothing."""
         job = Job(kind)
+        job.cfg = cfg
+        job.steps = getattr(cfg, "max_steps", None)
+        job.eval_planned = float(getattr(cfg, "eval_fraction", 0) or 0) > 0   # until a run says how many it holds
+        job.converting = conversion_words(cfg) if cfg is not None else ""
         self.job = job
+        if self.summary_area.children or self.dashboard_area.children:
+            self.previous.value = render.small(PREVIOUS_WORDS, render.AMBER)
+            self.previous.layout.display = ""
         self.train_button.disabled = True
         self.compare_button.disabled = True
         self.stop_button.disabled = False
@@ -286,6 +428,8 @@ class Runner:
             if job.revealed or job is not self.job:
                 return
             job.revealed = True
+        self.previous.value = ""
+        self.previous.layout.display = "none"
         self.notes.value = ""
         self.answers.value = ""
         self.verdicts.value = ""
@@ -320,7 +464,7 @@ class Runner:
     def train(self, cfg, processes: int = 1) -> None:
         """Start a Train of ``cfg`` in the background: in this process, or with ``processes`` > 1 launched on
         that many worker processes (``nbt.launch``, torchrun)."""
-        job = self.begin("train")
+        job = self.begin("train", cfg)
         job.processes = max(1, int(processes))
         drawing = self._new_dashboard()
         callbacks = [*drawing, StatusCallback(self, job), *self.callbacks]
@@ -333,7 +477,8 @@ class Runner:
                                 render.GREY)
                 run = launch(cfg, num_processes=job.processes, callbacks=callbacks)
             else:
-                self.set_status("starting… (loading data and model)", render.GREY)
+                self.set_status(f"starting: loading data and model"
+                                f"{f' ({job.converting})' if job.converting else ''}…", render.GREY)
                 run = start(cfg, callbacks=callbacks)
         except Exception as e:
             self.finish(job, error=e)
@@ -361,20 +506,24 @@ class Runner:
 
         seeds = self.compare_seeds(cfg) if seeds is None else tuple(seeds)
         repeats = int(self.repeats_control.value if repeats is None else repeats)
-        job = self.begin("compare")
+        job = self.begin("compare", cfg)
         job.variants, job.extra_seeds = tuple(precisions), tuple(s for s in seeds if s != cfg.seed)
+        job.repeats = repeats
         drawing = self._new_dashboard()
         n = len(job.extra_seeds)
         extra = (f" × {repeats} repeats" if repeats > 1 else "") + (f" + {n} seed run{'s' if n > 1 else ''}" if n else "")
-        self.set_status(f"comparing {', '.join(precisions)}{extra}…", render.GREY)
-        callbacks = [*drawing, StatusCallback(self, job), *self.callbacks]
+        self.set_status(f"comparing {', '.join(precisions)}{extra}: starting…", render.GREY)
+        status = StatusCallback(self, job)
+        callbacks = [*drawing, status, *self.callbacks]
 
         variants = compare_variants(cfg, precisions)
 
         def work():
             try:
                 what = dict(precisions=precisions) if variants is None else dict(variants=variants)
-                cmp = compare(cfg, **what, callbacks=callbacks, stop=job.stop, seeds=seeds, repeats=repeats)
+                cmp = compare(cfg, **what, callbacks=callbacks, stop=job.stop, seeds=seeds, repeats=repeats,
+                              progress=status.on_phase)
+                cmp.advice = "panel"   # the verdicts' advice names these controls: "set repeats to 5"
             except BaseException as e:
                 self.finish(job, error=e)
             else:
@@ -390,7 +539,11 @@ class Runner:
             return
         job.halt()
         self.stop_button.disabled = True
-        self.set_status("stopping after the current step…", render.AMBER)
+        # a stopped run still ends with its eval on the held-out examples, which can take a while: said, so that
+        # the wait after Stop is not a mystery
+        planned = job.eval_planned
+        self.set_status("stopping after the current step" + (", then the end-of-run eval on the held-out examples"
+                                                             if planned else "") + "…", render.AMBER)
 
     def wait(self, timeout: Optional[float] = None):
         """Wait for the current Train or Compare to finish; returns its result or comparison (None if it failed)."""
@@ -408,6 +561,8 @@ class Runner:
                 return
             job.finished = True
         try:
+            if not job.revealed and self.previous.value:
+                self.previous.value = render.small(PREVIOUS_KEPT, render.GREY)
             if error is not None:
                 message = f"{type(error).__name__}: {error}"
                 if job.processes > 1 and "\n" in message:
@@ -430,7 +585,7 @@ class Runner:
                 self.comparison = job.outcome = comparison
                 self.set_status(*_comparison_status(comparison))
                 # Under the status only what the comparison's own summary (verdicts, table, its notes) does not say.
-                self.notes.value = _unshown_notes(comparison)
+                self.notes.value = _folded_notes(_unshown_notes(comparison))
                 self.answers.value = ""   # the comparison's summary shows them side by side, variant by variant
                 self._settle_dashboard(job)
                 self._show_comparison(comparison, job)
@@ -476,9 +631,15 @@ class Runner:
         if getattr(cmp, "table", None) is None or not job.revealed:
             return
         verdicts, rest = _summary_parts(cmp)
+        table, after = _table_and_notes(rest)
         self.verdicts.value = verdicts
-        self.comparison_table = widgets.HTML(rest, layout=widgets.Layout(max_width="100%"))
+        self.comparison_table = widgets.HTML(table, layout=widgets.Layout(max_width="100%"))
         self.comparison_table.add_class("nbtrain-table")
+        # the table's notes, fairness line and full table go under the figure: above it they would push the
+        # figure off a 900 px screen (the answer is the status, the verdicts, the table and the figure)
+        self.table_notes = widgets.HTML(after, layout=widgets.Layout(max_width="100%")) if after else None
+        if self.table_notes is not None:
+            self.table_notes.add_class("nbtrain-table-notes")
         self.difference_view = None
         figure = self.dashboard.figure if self.dashboard is not None and self.dashboard.records else None
         if figure is not None and getattr(cmp, "band", None) is not None:
@@ -497,8 +658,19 @@ class Runner:
                                              "data": static_bundle(cmp.difference_figure())},)
             extra = (self.difference_view,)
         self.summary_area.children = ((self.verdicts,) if verdicts else ()) + (self.comparison_table,)
-        if extra:
-            self.dashboard_area.children = (*self.dashboard_area.children, *extra)
+        notes = (self.table_notes,) if self.table_notes is not None else ()
+        if extra or notes:
+            self.dashboard_area.children = (*self.dashboard_area.children, *extra, *notes)
+
+
+def _folded_notes(notes: str) -> str:
+    """A comparison's leftover run notes behind one line: between the status and the verdicts they would push the
+    answer (verdicts, table, figure) down the screen."""
+    if not notes:
+        return ""
+    n = notes.count("<li")
+    return (f"<details><summary>{render.small(f'notes of the runs ({n})' if n else 'notes of the runs')}</summary>"
+            f"{notes}</details>")
 
 
 def _unshown_notes(cmp) -> str:
@@ -526,6 +698,16 @@ def _summary_parts(cmp) -> tuple[str, str]:
     if verdicts and verdicts in full:
         return verdicts, full.replace(verdicts, "", 1)
     return "", full
+
+
+def _table_and_notes(rest: str) -> tuple[str, str]:
+    """A comparison's summary without its verdicts, as (the compact table, what follows it: its notes, the fairness
+    line and the full table behind a toggle); ("rest", "") when it has no notes part to split at."""
+    mark = '<div class="nbt-compare-notes"'
+    at = rest.find(mark)
+    if at < 0 or not rest.startswith("<div>") or not rest.endswith("</div>"):
+        return rest, ""
+    return rest[:at] + "</div>", "<div>" + rest[at:]
 
 
 def _add_band(figure, cmp) -> None:
