@@ -107,7 +107,9 @@ def test_lost_updates_are_in_the_table_and_the_verdict_of_pure_only(cmp):
     line = lost_updates_line("bf16-pure", pure["lost_updates_by_step"], False, dict(zip(h.step, h.lr)))
     assert line and "stochastic_rounding=True" in line
     at = max(pure["lost_updates_by_step"], key=lambda k: (pure["lost_updates_by_step"][k], -k))
-    assert f"at step {at} where lr is {h.set_index('step').lr[at]:.2g}" in line   # where the most fell, and its lr
+    share = pure["lost_updates_by_step"][at]
+    # the largest share leads, with where it fell and its lr
+    assert line.startswith(f"{share:.0%} of updates lost at step {at} (where lr is {h.set_index('step').lr[at]:.2g})")
     assert line in cmp.notes["pure"]      # the note under the table says it as the verdict does
     v = cmp.verdicts["pure"]
     assert v.lost_updates_text == line and line in v.text and v.lost_updates == pytest.approx(pure["lost_updates"])

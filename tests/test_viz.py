@@ -314,6 +314,7 @@ def test_each_runs_first_point_is_drawn_at_once():
     now = [0.0]
     dash = LiveDashboard(mode="widget", display=False, max_redraws_per_s=5)
     dash.tracker.clock = lambda: now[0]
+    dash._timer = _NoTimer   # the late fits run on real time; here only the throttle's clock counts
     calls = count_redraws(dash, clock=lambda: now[0])
     for name in ("fp32", "bf16"):
         first, second = make_records(2, variant=name)
@@ -327,6 +328,31 @@ def test_each_runs_first_point_is_drawn_at_once():
         dash.on_step_end(second)   # later steps keep the throttle
         assert len(calls) == started + 1
         dash.on_run_end(None)
+
+
+class _NoTimer:
+    def __init__(self, *args, **kwargs):
+        self.daemon = True
+
+    def start(self):
+        pass
+
+
+def test_a_first_point_that_arrives_during_a_late_fit_is_still_drawn():
+    # The late fit holds the draw lock; a redraw finding it held skips (it never blocks the training thread), so
+    # the fit draws what arrived meanwhile: else a first point could wait for the next step (it did in one suite run).
+    now = [0.0]
+    dash = LiveDashboard(mode="widget", display=False, max_redraws_per_s=5)
+    dash.tracker.clock = lambda: now[0]
+    dash._timer = _NoTimer
+    calls = count_redraws(dash, clock=lambda: now[0])
+    dash.on_run_start(make_info(variant="a"))
+    first, = make_records(1, variant="a")
+    fig, started = dash.figure, len(calls)
+    fig.fit_width = lambda: dash.on_step_end(first)   # the step lands while the fit holds the lock
+    now[0] += 0.01
+    dash._late_fit(fig)
+    assert len(calls) == started + 1 and list(F.find_trace(dash.figure, "loss", "loss", run="a").x) == [1.0]
 
 
 def test_one_value_averages_to_itself_so_a_first_point_gets_readable_ticks():

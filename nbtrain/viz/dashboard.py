@@ -231,10 +231,17 @@ class LiveDashboard:
             t.start()
 
     def _late_fit(self, fig) -> None:
-        with self._draw_lock:
+        if not self._draw_lock.acquire(blocking=False):
+            return   # a redraw is going on: the next late fit (or the redraws' own) asks instead
+        try:
             # a figure replaced since (a new run, a static copy) gets nothing: its view may be gone
             if fig is self.figure and not self.view.retired:
                 fig.fit_width()
+        finally:
+            self._draw_lock.release()
+        # a step that arrived meanwhile found the lock held by this fit and skipped its redraw: draw it now
+        if self.tracker.due():
+            self._redraw()
 
     def on_eval(self, record: Any) -> None:
         """Record an evaluation (drawn with the next redraw)."""
