@@ -13,7 +13,6 @@ import math
 import re
 import statistics
 
-import numpy as np
 import pytest
 
 import nbtrain as nbt
@@ -29,7 +28,6 @@ NB04 = {"fp32": [935.0, 5142.0, 3669.0], "fp16": [383.0, 2005.0, 2275.0], "bf16"
 
 
 def _history(loss0: float = 5.0):
-    import pandas as pd
 
     recs = [StepRecord(step=s, epoch=s / STEPS, micro_steps=1, tokens=64, loss=loss0 - 0.1 * s, lr=1e-3,
                        grad_norm=0.5, clipped=False, scale=None, skipped=False, nonfinite=False,
@@ -112,7 +110,7 @@ def test_when_the_median_ratio_is_not_the_ratio_of_medians_the_notes_say_which_i
     of_medians = row.loc["bf16", "tokens_per_s"] / row.loc["fp32", "tokens_per_s"]
     shown = cmp.verdicts["bf16"].speed.ratio
     assert f"{of_medians:.2f}" != f"{shown:.2f}"                        # 0.94x from the columns, 0.67x shown
-    line = next(l for l in cmp._general_notes() if l.startswith("bf16: the speed-up shown"))
+    line = next(n for n in cmp._general_notes() if n.startswith("bf16: the speed-up shown"))
     assert f"({shown:.2f}x) is the median of its per-repeat ratios to 'fp32'" in line
     assert f"its median tokens/s over 'fp32''s is {of_medians:.2f}x" in line
     assert line in _text(cmp) and line in cmp.format_table()
@@ -123,7 +121,7 @@ def test_when_the_median_ratio_is_not_the_ratio_of_medians_the_notes_say_which_i
 
 def test_when_the_two_ratios_agree_nothing_is_added():
     cmp = comparison({"a": [100.0, 101.0, 99.0], "b": [150.0, 151.5, 148.5]})
-    assert not [l for l in cmp._general_notes() if "speed-up shown" in l]
+    assert not [n for n in cmp._general_notes() if "speed-up shown" in n]
 
 
 # -- item 6: notes every variant shares are said once ------------------------------------------------------------

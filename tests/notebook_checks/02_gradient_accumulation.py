@@ -1,8 +1,8 @@
 """Library checks of notebooks/02_gradient_accumulation.ipynb, run in its kernel after the named cells."""
 # %% after: 02-04
 assert ref["tokens"].nunique() > 1                       # the steps really have different lengths...
-for name, h in hist.items():
-    assert h["tokens"].tolist() == ref["tokens"].tolist()               # ...and every split sees the same ones
+for _name, _h in hist.items():
+    assert _h["tokens"].tolist() == ref["tokens"].tolist()               # ...and every split sees the same ones
 by_variant = cmp.table.set_index("variant")
 assert by_variant["init_hash"].nunique() == 1 and by_variant["data_hash"].nunique() == 1   # what the markdown says the hashes show
 # %% after: 02-12
