@@ -208,12 +208,13 @@ print(json.dumps({"together": together, "solo": solo, "bitsandbytes": "bitsandby
 
 
 @pytest.mark.slow
-def test_two_starts_forced_to_overlap_equal_a_solo_run_in_10_fresh_processes(tmp_path):
+def test_two_starts_forced_to_overlap_equal_a_solo_run_in_5_fresh_processes(tmp_path):
     """Two nbt.start(cfg) in a fresh process, forced to overlap during model construction and the first step,
-    each equal a solo nbt.train(cfg) loss for loss, in 10 of 10 processes; and the process (import nbtrain, in
+    each equal a solo nbt.train(cfg) loss for loss, in 5 of 5 processes (the overlap is forced, so one would
+    do; five catch what else might vary); and the process (import nbtrain, in
     the zygote, and three tiny fp32 runs, offline) wrote nothing to stderr and never imported bitsandbytes. The
     children fork from a zygote that imported nbtrain (no thread is running then): 10 x the import was ~45 s."""
-    jobs = [(f"overlap-{i}", OVERLAP) for i in range(10)]
+    jobs = [(f"overlap-{i}", OVERLAP) for i in range(5)]
     failures = []
     for name, (code, text, err) in _fork_cases(jobs, tmp_path, prelude="import nbtrain").items():
         if code != 0 or not text.strip():
@@ -226,7 +227,7 @@ def test_two_starts_forced_to_overlap_equal_a_solo_run_in_10_fresh_processes(tmp
             failures.append(f"{name}: wrote to stderr: {err[-800:]!r}")
         if out["bitsandbytes"]:
             failures.append(f"{name}: imported bitsandbytes (no QLoRA, no 8-bit optimizer)")
-    assert not failures, f"{len(failures)} problem(s) in 10 processes:\n" + "\n".join(failures[:6])
+    assert not failures, f"{len(failures)} problem(s) in 5 processes:\n" + "\n".join(failures[:6])
 
 
 QLORA_OFFLINE = """

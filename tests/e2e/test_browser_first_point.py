@@ -59,7 +59,7 @@ import nbtrain as nbt
 cfg = nbt.TrainConfig(model="tiny", data="builtin:python-docs", subset=32, max_seq_len=32, micro_batch_size=4,
                       eval_fraction=0.0, max_steps=4, precision="fp32")''',
         # notebook 04's path: several runs drawn live in one cell
-        '''cmp = nbt.compare(cfg, precisions=("fp32", "fp16", "bf16"), repeats=2, warmup=False,
+        '''cmp = nbt.compare(cfg, precisions=("fp32", "fp16", "bf16"), warmup=False,
                   callbacks=[nbt.LiveDashboard()])''',
         # a run held at its first point until the browser has looked
         f'''class HoldAtFirstPoint:
