@@ -371,7 +371,7 @@ def _speed_text(s: Optional[Speed], reference: str) -> str:
     if s.state == "too noisy":
         if s.floor > NOISE_SHOWN:
             # no half-width worth printing: the repeats' range, and which way they all went if they agree
-            head = (f"speed too noisy to judge here ({span}{_one_direction(s)}; the repeats vary beyond "
+            head = (f"speed too noisy to judge here ({span}{_one_direction(s)}; timing noise beyond "
                     f"±{NOISE_SHOWN:.0%}, {rule}): ")
         else:
             head = f"speed too noisy to judge here ({span}; {_noise(s.floor)}, {rule}): "

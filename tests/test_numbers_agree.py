@@ -82,7 +82,7 @@ def test_notebook_04_fp16_slower_in_every_repeat_is_never_noise_73x():
     assert max(ratios) < 1 and fp16.speed.floor > V.NOISE_SHOWN   # all slower, and the half-width is huge
     assert fp16.speed.state == "too noisy"
     assert (f"speed too noisy to judge here ({min(ratios):.2f}-{max(ratios):.2f}x, median "
-            f"{statistics.median(ratios):.2f}x over 3 repeats, slower in all 3; the repeats vary beyond ±50%") \
+            f"{statistics.median(ratios):.2f}x over 3 repeats, slower in all 3; timing noise beyond ±50%") \
         in fp16.text
     everything = _text(cmp) + "\n" + cmp.format_table()
     # no half-width beyond ±50% is printed anywhere: not in a verdict, the notes, nor either table

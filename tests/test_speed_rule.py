@@ -68,7 +68,7 @@ def test_when_the_data_cannot_support_a_claim_the_verdict_says_so_and_how_to_get
     # figure a person can use: it is said to be that wide, never printed ("noise 73.1x either way")
     assert s.floor > V.NOISE_SHOWN
     assert text.startswith(f"speed too noisy to judge here ({s.low:.2f}-{s.high:.2f}x, median {s.ratio:.2f}x over 3 "
-                           f"repeats; the repeats vary beyond ±50%, {V.FALSE_RANKING_RATE:.0%} false-ranking rule)")
+                           f"repeats; timing noise beyond ±50%, {V.FALSE_RANKING_RATE:.0%} false-ranking rule)")
     assert "either way" not in text and f"{s.floor:.0%}" not in text
     assert "rerun with repeats=5 on a quiet machine" in text
     assert "no measurable" not in text and "faster" not in text and "slower" not in text

@@ -111,7 +111,7 @@ def test_speed_is_the_range_then_the_median_with_the_rules_error_rate():
     text = V._speed_text(s, "fp32")
     # all three slower, and a half-width beyond ±50%: said so, with no figure for it (issue 46)
     assert text.startswith("speed too noisy to judge here (0.03-0.33x, median 0.09x over 3 repeats, slower in all 3; "
-                           "the repeats vary beyond ±50%")
+                           "timing noise beyond ±50%")
     assert f"{V.FALSE_RANKING_RATE:.0%} false-ranking rule" in text and "±0." not in text
     slow = V.speed([50.0, 72.0, 54.0, 55.0, 53.0], [100.0] * 5)
     assert V._speed_text(slow, "fp32").startswith("slower than fp32 (0.50-0.72x, median 0.54x over 5 repeats; noise ±")
