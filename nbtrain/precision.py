@@ -51,10 +51,86 @@ TENSOR_DTYPES: dict[str, dict[str, str]] = {
 
 
 def autocast(spec: PrecisionSpec, device_type: str):
-    """The forward's autocast context for this precision (a no-op context for fp32/tf32)."""
+    """The forward's autocast context for this precision (a no-op context for fp32/tf32). On a CPU without fp16
+    hardware, fp16's linear layers are emulated (``emulated_fp16_linears``): the same roundings, fp32 speed."""
     if spec.autocast_dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=spec.autocast_dtype)
+    ctx = torch.autocast(device_type=device_type, dtype=spec.autocast_dtype)
+    if device_type == "cpu" and spec.autocast_dtype == torch.float16 and _emulate_fp16_on_cpu():
+        stack = contextlib.ExitStack()
+        stack.enter_context(ctx)
+        stack.enter_context(emulated_fp16_linears())
+        return stack
+    return ctx
+
+
+def _emulate_fp16_on_cpu() -> bool:
+    from .hardware import capabilities   # below hardware in the layers: asked when a run needs the answer
+
+    return not capabilities("cpu").fp16_fast
+
+
+class _Fp16Linear(torch.autograd.Function):
+    """``F.linear`` as an fp16 GEMM with fp32 accumulation computes it (a GPU's tensor cores, or a CPU with fp16
+    hardware): inputs, weight and bias rounded to fp16, the products summed in fp32, the output rounded to fp16;
+    in backward the same for each gradient. What backward keeps are the fp16 copies, as autocast's own linear
+    keeps. The arithmetic runs as fp32 GEMMs on the rounded values: on a CPU without fp16 hardware torch's fp16
+    GEMM is a scalar loop, ~20x slower than fp32 on SmolLM2's layers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        half = torch.float16
+        x16, w16 = x.to(half), weight.to(half)
+        b16 = bias.to(half) if bias is not None else None
+        ctx.save_for_backward(x16, w16)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        with torch.autocast("cpu", enabled=False):
+            out = torch.nn.functional.linear(x16.float(), w16.float(), b16.float() if b16 is not None else None)
+        return out.to(half)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x16, w16 = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        half = torch.float16
+        g = grad.to(half).float()   # the gradient arrives in fp16, as autocast's linear gets it
+        gx = gw = gb = None
+        with torch.autocast("cpu", enabled=False):
+            if ctx.needs_input_grad[0]:
+                gx = (g @ w16.float()).to(half).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                gw = (g.reshape(-1, g.shape[-1]).t() @ x16.reshape(-1, x16.shape[-1]).float()).to(half).to(w_dtype)
+            if b_dtype is not None and ctx.needs_input_grad[2]:
+                gb = g.reshape(-1, g.shape[-1]).sum(0).to(half).to(b_dtype)
+        return gx, gw, gb
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class emulated_fp16_linears(torch.overrides.TorchFunctionMode):
+    """While fp16 autocast is on for the CPU, every ``F.linear`` on plain CPU float tensors runs as
+    ``_Fp16Linear``: autocast's fp16 numerics (the roundings, the fp16 copies kept for backward, an fp16 overflow
+    to inf that the GradScaler sees) at the speed of fp32. Other ops keep autocast's own fp16 kernels."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and self._emulates(*args, **kwargs):
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            return _Fp16Linear.apply(x, weight, bias)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _emulates(x=None, weight=None, bias=None) -> bool:
+        if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16):
+            return False
+        if torch.compiler.is_compiling():
+            return False
+        tensors = [t for t in (x, weight, bias) if t is not None]
+        # plain tensors only: a quantized weight or a tensor subclass (float8, 4-bit) has its own matmul
+        return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype in _FLOATS
+                   for t in tensors) and x is not None and weight is not None
 
 
 def active_autocast_dtype(device_type: str) -> Optional[torch.dtype]:

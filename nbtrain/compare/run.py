@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import re
 import threading
 import traceback
@@ -104,20 +105,22 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     its own (other initial weights and data order; no callbacks, no outputs): the spread of those runs' loss
     around the reference's is the noise band a variant's difference is judged against (``band``,
     ``verdicts``); the extra runs are in ``seed_results`` with their wall times. ``callbacks``
-    (e.g. one LiveDashboard) see every variant's first repeat; records carry ``.variant``. ``warmup``
-    first runs every variant untimed for a step or two (two for the first: what a process does once, lazy imports
-    and allocator set-up, lands there; one for each other: its precision's own kernels and paths), so that no
-    timed run is a cold one and the first variant does not look slow. On a GPU the
+    (e.g. one LiveDashboard) see every variant's recorded run; records carry ``.variant``. ``warmup`` keeps
+    cold and drawn steps out of the speed: each timed run's first step (what a process or a precision does once:
+    lazy imports, allocator set-up, first kernels) is not in its tokens/s, and with ``repeats`` >= 2 the recorded
+    run, drawn live by the callbacks, is a pass of its own before the timed repeats and is not timed (a live
+    figure slows the steps it draws); with one repeat the recorded run is the timing. ``warmup=False`` times
+    every step of every run, the recorded run as repeat 1. On a GPU the
     models kept in ``results`` are moved to the CPU between variants, so that they do not count in the
     next variant's peak memory. ``stop`` (a ``threading.Event``, set from any thread) ends the comparison:
     the running variant stops after its current step, the later ones never start. An interrupt (Ctrl-C)
     does the same. ``ComparisonResult.completion`` then says which variants finished, were cut or did not run.
     transformers' load report of a checkpoint (its newly initialised head) is shown once per comparison.
     ``progress`` (a function of one dict) hears every run's phase as it comes, the runs no callback sees included
-    (warm-up, later repeats, seed runs): ``{"phase": "warm-up" | "run" | "seed", "variant", "k", "n", "repeat",
-    "repeats", "event": "load" | "start" | "step", ...}`` ("load": before its data and model load; "start" adds
-    ``total`` and ``eval_examples``; "step" adds ``step``, ``total``, ``step_time_s``). A recorded run (repeat 1)
-    tells "load" only: its callbacks see the rest.
+    (later repeats, seed runs): ``{"phase": "live" | "run" | "seed", "variant", "k", "n", "repeat", "repeats",
+    "event": "load" | "start" | "step", ...}`` ("live": the recorded pass before timed repeats; "load": before its
+    data and model load; "start" adds ``total`` and ``eval_examples``; "step" adds ``step``, ``total``,
+    ``step_time_s``). A recorded run tells "load" only: its callbacks see the rest.
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"compare() takes a TrainConfig, got {type(cfg).__name__}")
@@ -147,9 +150,11 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
 
     with _load_reports_once(), _older_objects_frozen():
         # "stopped" or "interrupted" once the user ends the whole comparison; later variants then never start.
-        halted = _warm_up(runnable, stop, progress) if warmup else None
+        # With repeats, the recorded runs (drawn live) go first, untimed; the timed repeats find every variant warm.
+        live = warmup and repeats > 1
+        halted = _run_live(runnable, callbacks, stop, repeats, progress) if live else None
         halted = _run_repeats(runnable, copy, wanted, repeats, callbacks, stop, halted, schedule,
-                              check_shared=not warmup, progress=progress)
+                              recorded_first=not live, skip_first_step=warmup, progress=progress)
         # A stop or a kernel interrupt ends the whole comparison: the user asked for it to end, not one variant.
         for o in outcomes:
             if halted and o.result is None and o.status == "not_run":
@@ -224,11 +229,11 @@ def _rotated(slots: list, r: int) -> list:
 
 
 def _run_repeats(runnable: list[_Outcome], copy: Optional[_Outcome], reference: str, repeats: int, callbacks,
-                 stop, halted: Optional[str], schedule: _Schedule, check_shared: bool,
+                 stop, halted: Optional[str], schedule: _Schedule, recorded_first: bool, skip_first_step: bool,
                  progress=None) -> Optional[str]:
-    """Every repeat of every variant (and the A/A ``copy``), repeat r in the order rotated by r; returns
-    ``halted``. Repeat 0 is the recorded one: callbacks, the init hash, the kept result. With ``check_shared``
-    the first run's bad input is raised when every variant shares it."""
+    """Every timed repeat of every variant (and the A/A ``copy``), repeat r in the order rotated by r; returns
+    ``halted``. With ``recorded_first`` repeat 0 is also the recorded one (callbacks, the init hash, the kept
+    result), and the first run's bad input is raised when every variant shares it."""
     ref = next((o for o in runnable if o.name == reference), None)
     slots = runnable + ([copy] if copy is not None else [])
     for r in range(repeats):
@@ -240,25 +245,43 @@ def _run_repeats(runnable: list[_Outcome], copy: Optional[_Outcome], reference: 
             if o is copy and (ref is None or ref.status in ("error", "out_of_memory")):
                 continue   # a copy of a reference that fails measures nothing
             started.append(o.name)
-            shared = runnable if check_shared and r == 0 and len(started) == 1 else None
+            shared = runnable if recorded_first and r == 0 and len(started) == 1 else None
             phase = dict(phase="run", variant=o.name, k=k, n=len(slots), repeat=r + 1, repeats=repeats)
-            halted = _run_once(o, recorded=(r == 0 and o is not copy), callbacks=callbacks, stop=stop,
-                               halted=halted, shared_with=shared, progress=_Phases(progress, phase))
+            halted = _run_once(o, recorded=(recorded_first and r == 0 and o is not copy), callbacks=callbacks,
+                               stop=stop, halted=halted, shared_with=shared, progress=_Phases(progress, phase),
+                               timed=True, skip_first_step=skip_first_step,
+                               timing=f"repeat {r + 1} of {repeats}" + (", timed from step 2" if skip_first_step else ""))
         if started:
             schedule.run_order.append(started)
     return halted
 
 
+def _run_live(runnable: list[_Outcome], callbacks, stop, repeats: int, progress=None) -> Optional[str]:
+    """The recorded run of every variant, in the given order, before the timed repeats: drawn by the callbacks,
+    kept as the result, not timed. The first run's bad input is raised when every variant shares it."""
+    halted = None
+    for k, o in enumerate(runnable, 1):
+        halted = halted or _stop_requested(stop)
+        if halted:
+            break
+        phase = dict(phase="live", variant=o.name, k=k, n=len(runnable))
+        halted = _run_once(o, recorded=True, callbacks=callbacks, stop=stop, halted=halted,
+                           shared_with=runnable if k == 1 else None, progress=_Phases(progress, phase), timed=False,
+                           timing=f"drawn live, untimed: the speed is from {repeats} timed repeats")
+    return halted
+
+
 def _run_once(o: _Outcome, recorded: bool, callbacks, stop, halted: Optional[str],
-              shared_with: Optional[list[_Outcome]] = None, progress: Optional["_Phases"] = None) -> Optional[str]:
-    """One run of ``o`` (``recorded``: with the callbacks, its result kept); its timing goes to ``o.timings``.
-    Returns ``halted``."""
+              shared_with: Optional[list[_Outcome]] = None, progress: Optional["_Phases"] = None,
+              timed: bool = True, skip_first_step: bool = False, timing: Optional[str] = None) -> Optional[str]:
+    """One run of ``o`` (``recorded``: with the callbacks, its result kept); when ``timed`` its timing goes to
+    ``o.timings`` (without its first step when ``skip_first_step``). Returns ``halted``."""
     run_cfg = o.config if recorded else _unrecorded(o.config)
     progress = progress or _Phases(None, {})
     progress.tell("load")
     try:
         result = _run_variant(o, run_cfg, callbacks if recorded else progress.callbacks(), first=recorded, stop=stop,
-                              shared_with=shared_with)
+                              shared_with=shared_with, timing=timing)
     except KeyboardInterrupt:  # before the loop's own handler is in place (data, model building)
         result, halted = None, "interrupted"
         if recorded:
@@ -270,8 +293,8 @@ def _run_once(o: _Outcome, recorded: bool, callbacks, stop, halted: Optional[str
             halted = "interrupted"
         halted = halted or _stop_requested(stop)
         # A later repeat cut short by the user would drag the median down: only whole repeats count.
-        if recorded or not (halted and reason in _CUT):
-            o.timings.append((float(result.summary["tokens_per_s"]), float(result.summary["wall_s"])))
+        if timed and (recorded or not (halted and reason in _CUT)):
+            o.timings.append((_tokens_per_s(result, skip_first_step), float(result.summary["wall_s"])))
         if recorded:
             o.result = result
             o.status = reason
@@ -284,11 +307,11 @@ def _run_once(o: _Outcome, recorded: bool, callbacks, stop, halted: Optional[str
 
 
 def _run_variant(o: _Outcome, cfg: TrainConfig, callbacks, first: bool, stop=None,
-                 shared_with: Optional[list[_Outcome]] = None):
+                 shared_with: Optional[list[_Outcome]] = None, timing: Optional[str] = None):
     """One run of one variant; an exception becomes the variant's status and note, never the caller's, unless
     it is a bad input that every variant of ``shared_with`` shares."""
     try:
-        return _loop._run(cfg, callbacks, stop_event=_RunStop(stop), variant=o.name, hash_init=first)
+        return _loop._run(cfg, callbacks, stop_event=_RunStop(stop), variant=o.name, hash_init=first, timing=timing)
     except Exception as e:  # noqa: BLE001 - any failure of one variant must leave the others running
         shared = _shared_input_error(e, o.config, shared_with) if shared_with else None
         if shared is not None:
@@ -301,45 +324,24 @@ def _run_variant(o: _Outcome, cfg: TrainConfig, callbacks, first: bool, stop=Non
         return None
 
 
-# Untimed optimizer steps before the timings: the first variant's take what the process does once (imports,
-# allocator and thread-pool set-up), every other variant's its own precision's first kernels and code paths, which
-# its first step meets. One step each keeps the cost small: fp16 emulated on a CPU is ~10x slower than fp32.
-WARMUP_STEPS_FIRST = 2
-WARMUP_STEPS = 1
-
-
-def _warm_up(runnable: list[_Outcome], stop=None, progress=None) -> Optional[str]:
-    """A few untimed steps of every runnable variant (WARMUP_STEPS_FIRST of the first, WARMUP_STEPS of the others),
-    results discarded; "interrupted" or "stopped" when the user ended them. A bad input that every variant shares
-    is raised at the first, before any variant runs; another variant's failure is left to its timed run's row."""
-    for i, o in enumerate(runnable):
-        halted = _stop_requested(stop)
-        if halted:
-            return halted
-        steps = WARMUP_STEPS_FIRST if i == 0 else WARMUP_STEPS
-        phases = _Phases(progress, dict(phase="warm-up", variant=o.name, k=i + 1, n=len(runnable)))
-        phases.tell("load")
-        try:
-            res = _loop._run(_unrecorded(o.config, max_steps=steps, eval_every=None), phases.callbacks(),
-                             stop_event=_RunStop(stop), variant=f"{o.name} (warm-up)")
-        except KeyboardInterrupt:
-            return "interrupted"
-        except Exception as e:  # noqa: BLE001 - the timed run of this variant reports the failure in its row
-            shared = _shared_input_error(e, o.config, runnable) if i == 0 else None
-            if shared is not None:
-                raise shared from e
-            continue
-        reason = res.summary["stopped_reason"]
-        del res
-        _release_memory()
-        if reason == "interrupted":
-            return "interrupted"
-    return _stop_requested(stop)
+def _tokens_per_s(result, skip_first_step: bool) -> float:
+    """A timed run's speed: its steps' tokens over their step times, without the first step when
+    ``skip_first_step`` and there are others (the first meets what a process or a precision does once: lazy
+    imports, allocator set-up, first kernels); the run's own tokens/s when it has no step records."""
+    records = list(getattr(result, "records", None) or [])
+    if skip_first_step and len(records) > 1:
+        records = records[1:]
+    steps = [(r.tokens_per_s * r.step_time_s, r.step_time_s) for r in records
+             if r.step_time_s and math.isfinite(r.step_time_s) and math.isfinite(r.tokens_per_s)]
+    seconds = sum(t for _, t in steps)
+    if not steps or seconds <= 0:
+        return float(result.summary["tokens_per_s"])
+    return sum(n for n, _ in steps) / seconds
 
 
 class _Phases:
-    """What one run tells ``compare(progress=...)``: "load" before it, and for a run that no callback sees (warm-up,
-    a later repeat, a seed run) its start and steps, through the callback ``callbacks()`` gives."""
+    """What one run tells ``compare(progress=...)``: "load" before it, and for a run that no callback sees (a later
+    repeat, a seed run) its start and steps, through the callback ``callbacks()`` gives."""
 
     def __init__(self, progress: Optional[Callable[[dict], None]], phase: dict):
         self.progress, self.phase = progress, phase
@@ -414,7 +416,7 @@ _LOAD_REPORT_LOGGERS = ("transformers.modeling_utils", "transformers.utils.loadi
 
 @contextlib.contextmanager
 def _load_reports_once():
-    """While a comparison runs: each distinct load report once (the warm-up's), not once per run."""
+    """While a comparison runs: each distinct load report once (the first run's), not once per run."""
     once = _RepeatedLoadReport()
     loggers = [logging.getLogger(name) for name in _LOAD_REPORT_LOGGERS]
     for log in loggers:
@@ -442,7 +444,7 @@ def _seed_list(seeds) -> tuple[int, ...]:
 
 
 def _unrecorded(cfg: TrainConfig, **changes) -> TrainConfig:
-    """``cfg`` for a run that is not one of the comparison's results (warm-up, a repeat, a seed run): it writes
+    """``cfg`` for a run that is not one of the comparison's results (a timed repeat, a seed run): it writes
     no outputs, reports to no tracker (a tracker holds one run per variant) and answers no sample prompts (no one
     reads them; the recorded run's are the variant's)."""
     return cfg.replace(output_dir=None, report_to=[], sample_prompts=[], **changes)

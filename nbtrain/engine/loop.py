@@ -33,11 +33,12 @@ from .threads import spawn
 
 
 def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event] = None,
-         variant: Optional[str] = None, hash_init: bool = False) -> TrainResult:
+         variant: Optional[str] = None, hash_init: bool = False, timing: Optional[str] = None) -> TrainResult:
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a TrainConfig, got {type(cfg).__name__}")
     stop_event = stop_event or threading.Event()
     st = prepare(cfg, callbacks, variant=variant, hash_init=hash_init)
+    st.info.timing = timing
     cfg, dist, device, optimizer, scaler = st.cfg, st.dist, st.device, st.optimizer, st.scaler
     objective = st.objective   # the loss of a micro-batch: next-token, or DPO / ORPO / SimPO (engine.preference)
     stopped_reason = "max_steps" if cfg.max_steps is not None else "epochs"

@@ -83,6 +83,9 @@ class RunInfo:
     # for the run's compute dtype; None where unknown
     model_flops_per_token: Optional[float] = None
     peak_tflops: Optional[float] = None
+    # set by compare(): which of the comparison's runs this is and whether its speed counts ("repeat 1 of 1",
+    # "drawn live, untimed"), for the live lines beside its tok/s; None outside a comparison
+    timing: Optional[str] = None
 
 
 @dataclass

@@ -128,16 +128,17 @@ def time_left_words(seconds: float) -> str:
 
 
 def phase_label(phase: Optional[dict]) -> str:
-    """What a Compare's run is, for the status line: "fp16 (2 of 3)", "warm-up (untimed) fp32, 1 of 3", ..."""
+    """What a Compare's run is, for the status line: "fp16 (2 of 3)", "fp32 (1 of 3), drawn live (untimed)",
+    "bf16 (2 of 3), timed repeat 1 of 3", ..."""
     if not phase:
         return ""
     k, n, v = phase.get("k"), phase.get("n"), phase.get("variant")
-    if phase.get("phase") == "warm-up":
-        return f"warm-up (untimed) {v}, {k} of {n}"
+    if phase.get("phase") == "live":
+        return f"{v} ({k} of {n}), drawn live (untimed)"
     if phase.get("phase") == "seed":
         return f"noise band: {v} under seed {phase.get('seed')} ({k} of {n})"
     repeats = int(phase.get("repeats") or 1)
-    return f"{v} ({k} of {n})" + (f", repeat {phase.get('repeat')} of {repeats}" if repeats > 1 else "")
+    return f"{v} ({k} of {n})" + (f", timed repeat {phase.get('repeat')} of {repeats}" if repeats > 1 else "")
 
 
 class StatusCallback:
@@ -203,8 +204,7 @@ class StatusCallback:
         self.job.converting = ""   # loaded: a GGUF model is converted now, the next loads read its copy
         self.job.eval_planned = bool(eval_examples)
         self.eval_examples = int(eval_examples or 0)
-        if self.phase is None or self.phase.get("phase") != "warm-up":
-            self.job.steps = total
+        self.job.steps = total
 
     def _stepped(self, step, step_time_s, extra: str = "") -> None:
         if step_time_s is not None and math.isfinite(step_time_s) and step_time_s > 0:
@@ -224,14 +224,15 @@ class StatusCallback:
                   + (f" · {time_left_words(left)}" if left is not None else ""))
 
     def _eval_words(self) -> str:
-        prompts = (getattr(self.job.cfg, "sample_prompts", None) or []) if self.phase is None or (
-            self.phase.get("phase") == "run" and self.phase.get("repeat") == 1) else []
+        # the recorded run answers them: a Train, a Compare's live pass, or its one repeat
+        recorded = self.phase is None or self.phase.get("phase") == "live" or (
+            self.phase.get("phase") == "run" and int(self.phase.get("repeats") or 1) == 1)
+        prompts = (getattr(self.job.cfg, "sample_prompts", None) or []) if recorded else []
         answers = "answering the sample prompts, then " if prompts else ""
         return f"{answers}end-of-run eval on {self.eval_examples} held-out examples…"
 
     def _what(self) -> str:
-        if self.phase is not None and (self.phase.get("phase") != "run" or self.variant is None
-                                       or self.phase.get("repeat", 1) > 1):
+        if self.phase is not None and self.phase.get("phase") == "seed":
             return phase_label(self.phase)
         return f"running{self._name()}"
 
@@ -252,10 +253,8 @@ class StatusCallback:
         per_run = job.steps or 0
         seeds = len(job.extra_seeds)
         k, n = int(phase.get("k") or 1), int(phase.get("n") or 1)
-        if phase.get("phase") == "warm-up":
-            from ..compare.run import WARMUP_STEPS
-
-            return (n - k) * WARMUP_STEPS + (job.repeats * n + seeds) * per_run
+        if phase.get("phase") == "live":   # then every variant's timed repeats
+            return ((n - k) + job.repeats * n + seeds) * per_run
         if phase.get("phase") == "seed":
             return (n - k) * per_run
         r = int(phase.get("repeat") or 1)

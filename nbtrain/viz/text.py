@@ -71,7 +71,7 @@ def status_line(records: list, info: Any = None, total_steps: Optional[int] = No
                    if r.tokens_per_s is not None and math.isfinite(r.tokens_per_s)
                    and r.step_time_s is not None and math.isfinite(r.step_time_s))
         if toks > 0 and dt > 0:
-            parts.append(f"{toks / dt:,.0f} tok/s")
+            parts.append(f"{toks / dt:,.0f} tok/s" + _timing_text(info))
             flops, peak = getattr(info, "model_flops_per_token", None), getattr(info, "peak_tflops", None)
             if flops and peak:   # model FLOPs per second over the devices' peak (summary["mfu"] at the end)
                 parts.append(_mfu_text(flops * toks / dt / (peak * 1e12)))
@@ -99,6 +99,13 @@ def status_line(records: list, info: Any = None, total_steps: Optional[int] = No
     if rewards:
         parts.append(rewards)
     return " · ".join(parts)
+
+
+def _timing_text(info: Any) -> str:
+    """In a comparison, which of its runs this one is, beside its tok/s: " (repeat 1 of 1, timed from step 2)",
+    " (drawn live, untimed: ...)"; "" outside one."""
+    timing = getattr(info, "timing", None)
+    return f" ({timing})" if timing else ""
 
 
 def summary_text(records: list, evals: list, info: Any = None, result: Any = None,
@@ -141,7 +148,7 @@ def summary_text(records: list, evals: list, info: Any = None, result: Any = Non
         st = sum(r.step_time_s or 0 for r in records)
         tps = tt / st if st > 0 and tt > 0 else None
     if tps:
-        parts.append(f"{tps:,.0f} tok/s")
+        parts.append(f"{tps:,.0f} tok/s" + _timing_text(info))
     run_mfu = summ.get("mfu")
     if run_mfu is not None and math.isfinite(run_mfu):   # model FLOPs over the device's peak (engine.flops)
         parts.append(_mfu_text(run_mfu))
