@@ -202,9 +202,9 @@ def _capabilities(device: str) -> Capabilities:
         if not bf16_native:
             notes["bf16"] = "this CPU has no bf16 instructions: bf16 works but is slower than fp32"
         if not fp16_fast:
-            notes["fp16"] = ("this CPU has no fp16 hardware: fp16 autocast works but is emulated and slower "
-                             "than fp32 (up to ~10x on large matmuls); use it to study the GradScaler, not "
-                             "for speed")
+            notes["fp16"] = ("this CPU has no fp16 hardware: fp16's linear layers are emulated (inputs and outputs "
+                             "rounded to fp16, the arithmetic in fp32): fp16's numbers and its GradScaler, not its "
+                             "speed")
     fp8_native = device == "cuda" and cc is not None and cc >= FP8_COMPUTE_CAPABILITY
     if not bf16 and device == "cuda":
         reasons["bf16-pure"] = reasons["bf16"]

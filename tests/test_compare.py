@@ -16,6 +16,7 @@ import torch
 
 import nbtrain as nbt
 from nbtrain.compare import ComparisonWarning, compare
+from nbtrain.compare.run import _tokens_per_s
 
 from .helpers import Collect, inject_inf
 
@@ -254,18 +255,20 @@ def test_repeats_interleave_and_report_medians(monkeypatch):
     runs = []
     collect.on_run_start = lambda info: runs.append(info.variant)
     cmp = compare(small_cfg(max_steps=2), precisions=("fp32", "bf16"), repeats=2, callbacks=[collect])
-    assert [(v, cb) for v, cb, _ in calls] == [("fp32 (warm-up)", False), ("bf16 (warm-up)", False),
-                                                ("fp32", True), ("bf16", True), ("bf16", False),
-                                                ("fp32", False)]     # warm-ups, then A B, B A: rotated
+    assert [(v, cb) for v, cb, _ in calls] == [("fp32", True), ("bf16", True),     # the recorded pass, untimed
+                                                ("fp32", False), ("bf16", False), ("bf16", False),
+                                                ("fp32", False)]     # then A B, B A: rotated
     assert cmp.run_order == [["fp32", "bf16"], ["bf16", "fp32"]]
     assert list(cmp.table.order) == ["1, 2", "2, 1"]
     assert runs == ["fp32", "bf16"]           # callbacks see the kept (first) repeat only
     assert {r.variant for r in collect.records} == {"fp32", "bf16"} and len(collect.records) == 4
     for name in ("fp32", "bf16"):
         mine = [res for v, _, res in calls if v == name]
-        assert cmp.results[name] is mine[0]
-        tps = [m.summary["tokens_per_s"] for m in mine]
-        walls = [m.summary["wall_s"] for m in mine]
+        assert cmp.results[name] is mine[0] and len(mine) == 3   # recorded, then 2 timed
+        # the timed repeats only, each without its first step (what a process or precision does once)
+        tps = [_tokens_per_s(m, True) for m in mine[1:]]
+        assert tps[0] != pytest.approx(mine[1].summary["tokens_per_s"], rel=1e-9)
+        walls = [m.summary["wall_s"] for m in mine[1:]]
         r = row(cmp, name)
         assert r.tokens_per_s == pytest.approx(statistics.median(tps))
         assert r.wall_s == pytest.approx(statistics.median(walls))

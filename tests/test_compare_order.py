@@ -11,6 +11,7 @@ import pytest
 import nbtrain as nbt
 from nbtrain import verdicts
 from nbtrain.compare import compare
+from nbtrain.compare.run import _tokens_per_s
 from nbtrain.data import DataError
 from nbtrain.models import ModelError
 
@@ -46,21 +47,22 @@ def test_three_variants_take_every_position_once(spy):
     collect = Collect()
     cmp = compare(small_cfg(), variants={"A": {}, "B": {}, "C": {}}, repeats=3, callbacks=[collect])
     square = [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"]]
-    assert [c["variant"] for c in spy] == ([f"{n} (warm-up)" for n in "ABC"]                # warm-ups first
+    assert [c["variant"] for c in spy] == (list("ABC")                # the recorded pass first, in the given order
                                            + [n for order in square for n in order])
     assert cmp.run_order == square
     for name in "ABC":   # a Latin square: every variant in every position exactly once
         assert sorted(order.index(name) for order in cmp.run_order) == [0, 1, 2]
     assert list(cmp.table.order) == ["1, 3, 2", "2, 1, 3", "3, 2, 1"]
-    # Repeat 0 is the recorded one for every variant, whatever its position in later repeats.
+    # The recorded pass, drawn live, comes before the timed repeats and is not one of them.
     recorded = [c for c in spy if c["callbacks"] is not None]
     assert [c["variant"] for c in recorded] == ["A", "B", "C"] and all(c["hash_init"] for c in recorded)
+    assert spy[:3] == recorded
     assert not any(c["hash_init"] for c in spy if c["callbacks"] is None)
     assert {r.variant for r in collect.records} == {"A", "B", "C"} and len(collect.records) == 3
     for name in "ABC":
         mine = [c["result"] for c in spy if c["variant"] == name]
-        assert cmp.results[name] is mine[0]
-        assert cmp.timings[name] == [(m.summary["tokens_per_s"], m.summary["wall_s"]) for m in mine]
+        assert cmp.results[name] is mine[0] and len(mine) == 4
+        assert cmp.timings[name] == [(_tokens_per_s(m, True), m.summary["wall_s"]) for m in mine[1:]]
     # The comparison's floor is the rule's half-width for a variant as noisy as the reference; each row carries
     # the half-width its own speed was judged on, and says whether it was ranked, as its verdict does.
     ref_tps = [t for t, _ in cmp.timings["A"]]
@@ -104,7 +106,7 @@ def test_aa_copy_runs_in_the_rotation_unrecorded(spy, tmp_path):
     for c in copies:   # unrecorded: no callbacks, no outputs, no tracker, no init hash
         assert c["callbacks"] is None and c["cfg"].output_dir is None and c["cfg"].report_to == []
         assert not c["hash_init"] and c["cfg"].lr == cfg.lr
-    assert cmp.aa_timings == [c["result"].summary["tokens_per_s"] for c in copies]
+    assert cmp.aa_timings == [_tokens_per_s(c["result"], True) for c in copies]
     # Not a variant: no row, no result, no verdict, no output folder, nothing seen by the callbacks.
     assert list(cmp.table.variant) == ["A", "B"] and set(cmp.results) == {"A", "B"} and set(cmp.verdicts) == {"A", "B"}
     assert {r.variant for r in collect.records} == {"A", "B"}
@@ -144,7 +146,7 @@ def test_a_bad_input_that_a_variant_overrides_stays_a_row(spy, bad, good):
     t = cmp.table.set_index("variant")
     assert t.status["bad"] == "error" and t.status["good"] == "max_steps"
     assert list(cmp.results) == ["good"] and cmp.reference == "good"
-    assert [c["variant"] for c in spy] == ["bad (warm-up)", "good (warm-up)", "bad", "good"]
+    assert [c["variant"] for c in spy] == ["bad", "good"]
 
 
 def test_transformers_load_report_shows_once_per_comparison(capfd):
@@ -163,7 +165,7 @@ def test_transformers_load_report_shows_once_per_comparison(capfd):
     handler = Count()
     log.addHandler(handler)
     try:
-        cmp = compare(cfg, variants={"A": {}, "B": dict(lr=1e-3)}, repeats=2)   # five loads: warm-up + 2 x 2
+        cmp = compare(cfg, variants={"A": {}, "B": dict(lr=1e-3)}, repeats=2)   # six loads: the recorded pass + 2 x 2
     finally:
         log.removeHandler(handler)
     out, err = capfd.readouterr()

@@ -181,8 +181,34 @@ def test_the_advice_names_the_panels_controls_when_the_panel_asks():
 
 
 def test_said_once_is_a_function_any_view_of_per_variant_notes_can_use():
-    from nbtrain.compare.render import said_once
+    from nbtrain.compare.render import said_once   # also nbtrain.viz.text.said_once
 
     lines, rest = said_once({"a": ["x", "y"], "b": ["x"], "c": []}, ran=["a", "b"])
     assert lines == ["all variants that ran: x"] and rest == {"a": ["y"], "b": [], "c": []}
     assert said_once({"a": ["x"]}, ran=["a"]) == ([], {"a": ["x"]})    # one run: nothing is shared
+
+
+def test_a_dashboards_end_of_run_notes_say_a_shared_note_once(monkeypatch):
+    # the static copy's status: three runs with the same model note list it once ("all runs: ..."), not 3 times
+    from types import SimpleNamespace
+
+    from nbtrain.viz import views
+
+    sent = []
+    handle = SimpleNamespace(update=lambda bundle, raw=True: sent.append(bundle))
+    view = views.HtmlView(True, False)
+    view._fig_handle = view._status_handle = handle
+    monkeypatch.setattr(views, "static_bundle", lambda fig, js, text="": {"text/plain": text})
+    runs = [(f"{n}: 20 steps", SimpleNamespace(summary={"notes": [GGUF_NOTE] + (["fp16 own"] if n == "fp16" else [])}))
+            for n in ("fp32", "fp16", "bf16")]
+    import plotly.graph_objects as go
+
+    view.run_end(go.Figure(), runs, title="t")
+    status = sent[0]
+    for part in (status["text/html"], status["text/plain"]):
+        assert part.count(GGUF_NOTE.split(";")[0]) == 1 and "all runs: " in part
+        assert "fp16 own" in part
+    one = views.HtmlView(True, False)
+    one._fig_handle = one._status_handle = handle
+    one.run_end(go.Figure(), runs[:1], title="t")
+    assert "all runs" not in sent[-2]["text/plain"] and GGUF_NOTE in sent[-2]["text/plain"]

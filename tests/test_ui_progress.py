@@ -1,5 +1,6 @@
 """Issue 46 item 1: progress from the first second. Every phase of a Train and of a Compare says what it is doing and
-how far along it is (loading, warm-up: which variant and k of n, each variant's steps, the end-of-run eval), the
+how far along it is (loading, the recorded pass drawn live and untimed, each variant's timed repeats k of n, the
+end-of-run eval), the
 time left once a step is timed, Stop names the eval still to come, and the last press's figure is marked as the
 previous run's at once. Driven from code through the Panel's buttons; each status is recorded as it changes."""
 
@@ -51,27 +52,27 @@ def test_a_compare_says_every_phase_in_order(every_step):
     assert panel.wait(TIMEOUT) is not None, seen
     order = [
         r"^comparing fp32, bf16 × 3 repeats: starting…",
-        r"^warm-up \(untimed\) fp32, 1 of 2: loading data and model…",
-        r"^warm-up \(untimed\) fp32, 1 of 2: step 1/2",
-        r"^warm-up \(untimed\) bf16, 2 of 2: loading data and model…",
-        r"^warm-up \(untimed\) bf16, 2 of 2: step 1/1",
-        r"^fp32 \(1 of 2\), repeat 1 of 3: loading data and model…",
-        r"^running fp32 \(1 of 2\), repeat 1 of 3: step 0/3 \(cpu · fp32\)",
-        r"^running fp32 \(1 of 2\), repeat 1 of 3: step 1/3 · loss [\d.]+ · about \S+ (s|min) left",
-        r"^running fp32 \(1 of 2\), repeat 1 of 3: step 3/3 done · end-of-run eval on \d+ held-out examples…",
-        r"^bf16 \(2 of 2\), repeat 1 of 3: loading data and model…",
-        r"^running bf16 \(2 of 2\), repeat 1 of 3: step 3/3 done · end-of-run eval",
-        r"^bf16 \(1 of 2\), repeat 2 of 3: loading data and model…",   # rotated: bf16 first in repeat 2
-        r"^bf16 \(1 of 2\), repeat 2 of 3: step 1/3 · about \S+ (s|min) left",
-        r"^fp32 \(2 of 2\), repeat 2 of 3: step 3/3 done · end-of-run eval",
-        r"^bf16 \(2 of 2\), repeat 3 of 3: step 3/3 done · end-of-run eval",
+        # the recorded pass, drawn live, first: it says it is not timed
+        r"^fp32 \(1 of 2\), drawn live \(untimed\): loading data and model…",
+        r"^running fp32 \(1 of 2\), drawn live \(untimed\): step 0/3 \(cpu · fp32\)",
+        r"^running fp32 \(1 of 2\), drawn live \(untimed\): step 1/3 · loss [\d.]+ · about \S+ (s|min) left",
+        r"^running fp32 \(1 of 2\), drawn live \(untimed\): step 3/3 done · end-of-run eval on \d+ held-out",
+        r"^bf16 \(2 of 2\), drawn live \(untimed\): loading data and model…",
+        r"^running bf16 \(2 of 2\), drawn live \(untimed\): step 3/3 done · end-of-run eval",
+        # then the timed repeats, rotated
+        r"^fp32 \(1 of 2\), timed repeat 1 of 3: loading data and model…",
+        r"^running fp32 \(1 of 2\), timed repeat 1 of 3: step 1/3 · about \S+ (s|min) left",
+        r"^running bf16 \(2 of 2\), timed repeat 1 of 3: step 3/3 done · end-of-run eval",
+        r"^bf16 \(1 of 2\), timed repeat 2 of 3: loading data and model…",   # rotated: bf16 first in repeat 2
+        r"^running fp32 \(2 of 2\), timed repeat 2 of 3: step 3/3 done · end-of-run eval",
+        r"^running bf16 \(2 of 2\), timed repeat 3 of 3: step 3/3 done · end-of-run eval",
     ]
     at = [first(seen, p) for p in order]
     assert at == sorted(at), "\n".join(seen)
     assert re.search(r"compared|done|slower|faster|fp32", seen[-1]), seen[-1]   # the comparison's own line last
     # nothing was left without a phase: every line while it ran names what runs, or the comparison's start
-    running = seen[:first(seen, r"^bf16 \(2 of 2\), repeat 3 of 3: step 3/3 done")]
-    assert all(re.match(r"(comparing|warm-up|running |fp32|bf16)", s) for s in running), running
+    running = seen[:first(seen, r"^running bf16 \(2 of 2\), timed repeat 3 of 3: step 3/3 done")]
+    assert all(re.match(r"(comparing|running |fp32|bf16)", s) for s in running), running
 
 
 def test_the_time_left_counts_the_runs_to_come(every_step):
@@ -88,7 +89,13 @@ def test_the_time_left_counts_the_runs_to_come(every_step):
     cb.on_phase(dict(phase="run", variant="fp16", k=2, n=3, repeat=2, repeats=3, event="step", step=4, total=10,
                      step_time_s=0.5))
     # this run 6 steps, 1 more variant of this repeat, 3 of the last repeat, 1 seed run: 6 + 5 x 10 = 56 x 0.5 s
-    assert said[-1] == "fp16 (2 of 3), repeat 2 of 3: step 4/10 · about 28 s left"
+    assert said[-1] == "running fp16 (2 of 3), timed repeat 2 of 3: step 4/10 · about 28 s left"
+    # the live pass before the timed repeats: its own steps, the 2 variants after it, then 3 x 3 timed, 1 seed
+    cb.on_phase(dict(phase="live", variant="fp32", k=1, n=3, event="load"))
+    cb.on_phase(dict(phase="live", variant="fp32", k=1, n=3, event="start", total=10, eval_examples=0))
+    cb.on_phase(dict(phase="live", variant="fp32", k=1, n=3, event="step", step=9, total=10, step_time_s=0.1))
+    assert said[-1] == "running fp32 (1 of 3), drawn live (untimed): step 9/10 · about 12 s left"
+    # 1 step of its own, then (2 variants + 3 x 3 timed + 1 seed run) x 10 steps: 121 x 0.1 s
     assert runner_mod.time_left_words(150) == "about 2 min left"
 
 

@@ -1,6 +1,6 @@
 """compare(): one training per variant in this process, fair by construction, and ComparisonResult.
 
-Three parts, one job each: ``run.py`` runs the variants (order, warm-up, repeats, seeds, stop, the fairness
+Three parts, one job each: ``run.py`` runs the variants (order, the live pass, repeats, seeds, stop, the fairness
 check), ``result.py`` holds what they found (table, differences, band, noise floor, verdicts), ``render.py``
 shows it (compact table, notes, HTML summary and report, text table, figures, environment()).
 

@@ -13,7 +13,7 @@ import math
 import platform
 import sys
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import pandas as pd
 import torch
@@ -21,6 +21,7 @@ import torch
 from .. import verdicts as _verdicts
 from .._version import __version__
 from ..hardware import capabilities
+from ..viz.text import said_once
 
 _TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_accum", "method", "optimizer",
                  "weights_dtype", "steps", "order", "wall_s", "tokens_per_s", "speedup", "mfu",
@@ -113,17 +114,6 @@ _MEMORY_NOTES = {
     "rss": "resident memory of the whole process at its peak: it includes what earlier runs in this kernel "
            "left behind, so later variants look bigger",
 }
-
-
-def said_once(notes: Mapping[str, Sequence[str]], ran: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
-    """``(lines, rest)``: each note that every run in ``ran`` (two or more) has, as one line "all variants: …" ("all
-    variants that ran: …" when a variant in ``notes`` lacks it), and name -> that variant's other notes. For any view
-    that lists notes per variant (the comparison's notes, a dashboard's end-of-run summaries)."""
-    ran = [n for n in ran if n in notes]
-    shared = [n for n in notes[ran[0]] if all(n in notes[m] for m in ran[1:])] if len(ran) > 1 else []
-    lines = [f"{'all variants' if all(n in v for v in notes.values()) else 'all variants that ran'}: {n}"
-             for n in shared]
-    return lines, {name: [n for n in v if n not in shared] for name, v in notes.items()}
 
 
 class ComparisonViews:

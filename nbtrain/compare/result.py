@@ -325,7 +325,7 @@ class ComparisonResult(ComparisonViews):
         self.warnings = list(warnings_)
         self.repeats = repeats
         schedule = schedule or _Schedule()
-        #: per repeat, the names in the order their runs started (the warm-up, before repeat 0, is not in it):
+        #: per timed repeat, the names in the order their runs started (the live pass before them is not in it):
         #: repeat r runs the variants rotated by r, so each variant takes each position in turn
         self.run_order = [list(r) for r in schedule.run_order]
         #: the tokens/s of the reference's unrecorded identical copy in each repeat (``aa=True``), else empty

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import html
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 RATE_WINDOW = 20   # steps averaged for tokens/s and ETA in the status line
 _MAX_ADVICE = 3    # the first few changes are the ones that matter; the rest stay in summary["advice"]
@@ -185,9 +185,22 @@ def run_notes(result: Any) -> tuple[list[str], list[str]]:
     return notes, advice
 
 
-def notes_text(result: Any, indent: str = "  ") -> str:
-    """The run's notes and advice as indented plain-text lines ("" when it has none)."""
-    notes, advice = run_notes(result)
+def said_once(notes: Mapping[str, Sequence[str]], ran: Sequence[str],
+              word: str = "variants") -> tuple[list[str], dict[str, list[str]]]:
+    """``(lines, rest)``: each note that every run in ``ran`` (two or more) has, as one line "all variants: …" ("all
+    variants that ran: …" when a variant in ``notes`` lacks it), and name -> that variant's other notes. For any view
+    that lists notes per variant (the comparison's notes, a dashboard's end-of-run summaries)."""
+    ran = [n for n in ran if n in notes]
+    shared = [n for n in notes[ran[0]] if all(n in notes[m] for m in ran[1:])] if len(ran) > 1 else []
+    lines = [f"all {word}{'' if all(n in v for v in notes.values()) else ' that ran'}: {n}"
+             for n in shared]
+    return lines, {name: [n for n in v if n not in shared] for name, v in notes.items()}
+
+
+def notes_text(result: Any, indent: str = "  ", notes: Optional[Sequence[str]] = None) -> str:
+    """The run's notes (``notes`` instead, when given) and advice as indented plain-text lines ("" when none)."""
+    own, advice = run_notes(result)
+    notes = own if notes is None else notes
     lines = [f"{indent}note: {n}" for n in notes]
     if advice:
         lines.append(f"{indent}to fit in memory, try:")
@@ -195,9 +208,10 @@ def notes_text(result: Any, indent: str = "  ") -> str:
     return "\n".join(lines)
 
 
-def notes_html(result: Any) -> str:
-    """The run's notes and advice as a short HTML list ("" when it has none)."""
-    notes, advice = run_notes(result)
+def notes_html(result: Any, notes: Optional[Sequence[str]] = None) -> str:
+    """The run's notes (``notes`` instead, when given) and advice as a short HTML list ("" when none)."""
+    own, advice = run_notes(result)
+    notes = own if notes is None else notes
     if not notes and not advice:
         return ""
     items = [f"<li>{html.escape(n)}</li>" for n in notes]

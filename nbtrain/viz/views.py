@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from .progress import ProgressBar
-from .text import notes_html, notes_text, samples_text
+from .text import notes_html, notes_text, run_notes, said_once, samples_text
 
 
 def static_bundle(fig, include_plotlyjs: Any = "cdn", text: str = "") -> dict:
@@ -76,11 +76,16 @@ class _NotebookView:
         notes, goes in the status line above it (the one place for it)."""
         if not self.display or self._fig_handle is None:
             return
-        text = "\n".join(filter(None, (part for t, res in summaries for part in (t, notes_text(res)))))
+        # a note every run has (the model's conversion, the data's cuts) once, above the runs: not once per run
+        shared, rest = said_once({str(i): run_notes(res)[0] for i, (_, res) in enumerate(summaries)},
+                                 [str(i) for i in range(len(summaries))], word="runs")
+        text = "\n".join(filter(None, [*(f"note: {n}" for n in shared), *(
+            part for i, (t, res) in enumerate(summaries) for part in (t, notes_text(res, notes=rest[str(i)])))]))
         js = self.static_plotlyjs if self.static_plotlyjs else False
         self._status_handle.update({"text/html": "<div>" + "".join(
-            f"<div><code>{html.escape(t)}</code>{notes_html(res)}</div>" for t, res in summaries) + "</div>",
-            "text/plain": text}, raw=True)
+            f"<div style='color:#555'>note: {html.escape(n)}</div>" for n in shared) + "".join(
+            f"<div><code>{html.escape(t)}</code>{notes_html(res, notes=rest[str(i)])}</div>"
+            for i, (t, res) in enumerate(summaries)) + "</div>", "text/plain": text}, raw=True)
         import plotly.graph_objects as go
 
         from .figures import set_title
