@@ -19,6 +19,8 @@ from nbtrain import verdicts as V
 from nbtrain.compare import compare
 from nbtrain.engine import doctor
 
+from .helpers import Collect
+
 
 def hist(loss, lr=None):
     steps = np.arange(1, len(loss) + 1)
@@ -131,33 +133,48 @@ def test_advice_names_only_the_repeats_and_seeds_controls():
     assert not any("noise band" in t for t in texts)
 
 
-def test_every_variant_is_warmed_up_untimed_before_its_first_timed_run(monkeypatch):
+def test_no_cold_or_drawn_step_is_in_the_speed(monkeypatch):
+    """Every variant's recorded run (the one the live figure draws) goes first and is not timed; every timed run's
+    speed leaves out its first step. warmup=False times the recorded run and every step."""
     import nbtrain.engine.loop as loop
+    from nbtrain.compare.run import _tokens_per_s
 
     calls = []
     original = loop._run
 
     def spy(cfg, callbacks=None, **kw):
         res = original(cfg, callbacks, **kw)
-        calls.append((kw.get("variant"), cfg, callbacks, res))
+        calls.append((kw.get("variant"), cfg, callbacks, res, kw.get("timing")))
         return res
 
     monkeypatch.setattr(loop, "_run", spy)
     cfg = nbt.TrainConfig(model="tiny", data="builtin:python-docs", subset=16, max_seq_len=16, micro_batch_size=8,
                           max_steps=3, eval_fraction=0.0, precision="fp32")
-    cmp = compare(cfg, variants={"A": {}, "B": dict(lr=2e-3), "C": dict(precision="bf16")}, repeats=2)
-    names = [v for v, *_ in calls]
-    for name in "ABC":
-        warm = names.index(f"{name} (warm-up)")
-        assert warm < names.index(name), names                        # before its first timed run
-        _, wcfg, wcb, _ = calls[warm]
-        assert wcb is None and wcfg.output_dir is None and wcfg.max_steps <= 2   # untimed, unrecorded, short
-        assert wcfg.precision == cmp.configs[name].precision and wcfg.lr == cmp.configs[name].lr
-        # its timing is nowhere: the variant has one timing per timed run (two repeats), none for its warm-up
-        assert names.count(name) == 2 and len(cmp.timings[name]) == 2
-    assert names[:3] == ["A (warm-up)", "B (warm-up)", "C (warm-up)"]   # all of them before any timing
+    cmp = compare(cfg, variants={"A": {}, "B": dict(lr=2e-3), "C": dict(precision="bf16")}, repeats=2,
+                  callbacks=[Collect()])
+    names = [c[0] for c in calls]
+    assert names == ["A", "B", "C", "A", "B", "C", "B", "C", "A"]   # the live pass, then the rotated repeats
+    assert [c[2] is not None for c in calls] == [True] * 3 + [False] * 6
+    assert all(c[4] == "drawn live, untimed: the speed is from 2 timed repeats" for c in calls[:3])
+    assert [c[4] for c in calls[3:6]] == ["repeat 1 of 2, timed from step 2"] * 3
     assert cmp.run_order == [["A", "B", "C"], ["B", "C", "A"]]
-    # warmup=False: none
+    for name in "ABC":
+        runs = [c[3] for c in calls if c[0] == name]
+        assert cmp.results[name] is runs[0]   # the kept result is the live one ...
+        # ... and the speed is the timed runs', from their second step: tokens over step times
+        steps = [r.records[1:] for r in runs[1:]]
+        expected = [sum(x.tokens_per_s * x.step_time_s for x in s) / sum(x.step_time_s for x in s) for s in steps]
+        assert [t for t, _ in cmp.timings[name]] == pytest.approx(expected)
+        assert [t for t, _ in cmp.timings[name]] == [_tokens_per_s(r, True) for r in runs[1:]]
+    assert cmp.results["A"].info.timing.startswith("drawn live")   # what the live lines print beside tok/s
+    # one repeat: the recorded run is the timing, from step 2, and says so
     calls.clear()
-    compare(cfg.replace(max_steps=1), variants={"A": {}, "B": {}}, warmup=False)
-    assert [v for v, *_ in calls] == ["A", "B"]
+    one = compare(cfg, variants={"A": {}, "B": {}}, callbacks=[Collect()])
+    assert [c[0] for c in calls] == ["A", "B"] and [c[4] for c in calls] == ["repeat 1 of 1, timed from step 2"] * 2
+    assert one.timings["A"] == [(_tokens_per_s(calls[0][3], True), calls[0][3].summary["wall_s"])]
+    # warmup=False: the recorded run is repeat 1, every step timed
+    calls.clear()
+    off = compare(cfg, variants={"A": {}, "B": {}}, repeats=2, warmup=False)
+    assert [c[0] for c in calls] == ["A", "B", "B", "A"] and calls[0][4] == "repeat 1 of 2"
+    assert off.timings["A"][0][0] == pytest.approx(_tokens_per_s(calls[0][3], False))
+    assert off.timings["A"][0][0] != pytest.approx(_tokens_per_s(calls[0][3], True), rel=1e-12)
