@@ -70,12 +70,22 @@ def _emulate_fp16_on_cpu() -> bool:
     return not capabilities("cpu").fp16_fast
 
 
+# fp32 copies of a weight are made a slice of rows at a time (at most this many elements, 16 MiB): a whole fp32 copy of
+# a large head (SmolLM2's 28M-weight tied head: 113 MB) would cost more memory than autocast's own fp16 kernels
+_SLICE_ELEMENTS = 1 << 22
+
+
+def _row_slices(rows: int, row_len: int):
+    step = max(1, _SLICE_ELEMENTS // max(1, row_len))
+    return [(i, min(rows, i + step)) for i in range(0, rows, step)]
+
+
 class _Fp16Linear(torch.autograd.Function):
     """``F.linear`` as an fp16 GEMM with fp32 accumulation computes it (a GPU's tensor cores, or a CPU with fp16
     hardware): inputs, weight and bias rounded to fp16, the products summed in fp32, the output rounded to fp16;
     in backward the same for each gradient. What backward keeps are the fp16 copies, as autocast's own linear
-    keeps. The arithmetic runs as fp32 GEMMs on the rounded values: on a CPU without fp16 hardware torch's fp16
-    GEMM is a scalar loop, ~20x slower than fp32 on SmolLM2's layers."""
+    keeps. The arithmetic runs as fp32 GEMMs on the rounded values, a slice of the weight's rows at a time: on a
+    CPU without fp16 hardware torch's fp16 GEMM is a scalar loop, ~20x slower than fp32 on SmolLM2's layers."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -84,24 +94,35 @@ class _Fp16Linear(torch.autograd.Function):
         b16 = bias.to(half) if bias is not None else None
         ctx.save_for_backward(x16, w16)
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=half, device=x.device)
         with torch.autocast("cpu", enabled=False):
-            out = torch.nn.functional.linear(x16.float(), w16.float(), b16.float() if b16 is not None else None)
-        return out.to(half)
+            x32 = x16.float()
+            for a, b in _row_slices(*weight.shape):
+                # the copy into the fp16 output rounds to nearest, as .to(torch.float16) does
+                out[..., a:b] = torch.nn.functional.linear(x32, w16[a:b].float(),
+                                                           b16[a:b].float() if b16 is not None else None)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x16, w16 = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        half = torch.float16
-        g = grad.to(half).float()   # the gradient arrives in fp16, as autocast's linear gets it
+        n_out, n_in = w16.shape
+        g = grad.to(torch.float16).reshape(-1, n_out)   # the gradient arrives in fp16, as autocast's linear gets it
         gx = gw = gb = None
         with torch.autocast("cpu", enabled=False):
             if ctx.needs_input_grad[0]:
-                gx = (g @ w16.float()).to(half).to(x_dtype)
+                acc = torch.zeros(g.shape[0], n_in, dtype=torch.float32, device=g.device)
+                for a, b in _row_slices(n_out, n_in):   # the sum over the output features, in fp32
+                    acc.addmm_(g[:, a:b].float(), w16[a:b].float())
+                gx = acc.to(torch.float16).to(x_dtype).reshape(*x16.shape)
             if ctx.needs_input_grad[1]:
-                gw = (g.reshape(-1, g.shape[-1]).t() @ x16.reshape(-1, x16.shape[-1]).float()).to(half).to(w_dtype)
+                x32 = x16.reshape(-1, n_in).float()
+                gw = torch.empty(n_out, n_in, dtype=w_dtype, device=g.device)
+                for a, b in _row_slices(n_out, n_in):
+                    gw[a:b] = (g[:, a:b].float().t() @ x32).to(torch.float16)
             if b_dtype is not None and ctx.needs_input_grad[2]:
-                gb = g.reshape(-1, g.shape[-1]).sum(0).to(half).to(b_dtype)
+                gb = g.sum(0, dtype=torch.float32).to(torch.float16).to(b_dtype)
         return gx, gw, gb
 
 

@@ -73,3 +73,16 @@ def test_autocast_emulates_on_a_cpu_without_fp16_hardware_only(monkeypatch):
         assert lin(x).dtype == torch.bfloat16 and not calls   # bf16 keeps torch's own kernels
     with emulated_fp16_linears():
         assert lin(x).dtype == torch.float32 and not calls   # no autocast: nothing to emulate
+
+
+def test_a_large_weight_is_converted_a_slice_at_a_time_with_the_same_numbers(monkeypatch):
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(32, 40)
+    x = torch.randn(3, 5, 32)
+    whole = linear_step(True, x, lin)
+    monkeypatch.setattr(precision, "_SLICE_ELEMENTS", 32 * 7)   # 7 rows at a time: 6 slices, the last one short
+    assert precision._row_slices(40, 32)[-1] == (35, 40)
+    sliced = linear_step(True, x, lin)
+    for a, b in zip(whole[:4], sliced[:4]):
+        ulp = torch.finfo(torch.float16).eps * a.float().abs().clamp_min(2 ** -14)
+        assert a.dtype == b.dtype and ((a.float() - b.float()).abs() <= ulp + 1e-12).all()

@@ -90,7 +90,9 @@ def test_compare_every_precision_is_fair_by_hash(smollm2):
         assert all(math.isfinite(x) for x in loss), (p, loss)
         assert first[p] == pytest.approx(first["fp32"], rel=0.05), (p, first)   # same weights, same tokens
         # a step that ran lowers the next loss on the same batch; a skipped one (fp16's scaler) changes nothing
-        assert (loss[1] == loss[0]) if h.skipped[0] else (loss[1] < loss[0]), (p, loss, h.skipped.tolist())
+        # (equal up to the fp32 GEMM's last bits: fp16's emulated linears sum in fp32 on fresh copies)
+        assert (loss[1] == pytest.approx(loss[0], rel=1e-6)) if h.skipped[0] else (loss[1] < loss[0]), \
+            (p, loss, h.skipped.tolist())
     assert first["bf16"] != first["fp32"]                                        # another precision really ran
     fp16 = cmp.results["fp16"].history
     assert fp16.scale.notna().all()                                             # its GradScaler, on real activations
