@@ -144,14 +144,19 @@ def gpu_peak_tflops(name: str) -> dict[str, float]:
 @functools.lru_cache(maxsize=None)
 def cpu_peak_tflops(threads: int) -> dict[str, float]:
     """This CPU's matmul TFLOP/s per dtype on ``threads`` threads, measured: the best of a few square GEMMs after a
-    warm-up (fp32 and bf16 at 1024, fp16 at 512: slow without fp16 hardware), ~0.3 s in all."""
+    warm-up (fp32 and bf16 at 1024; fp16 at 512 where the CPU has fp16 hardware, else fp32's), ~0.3 s in all."""
     import time
 
     out: dict[str, float] = {}
     # Its own generator: a run calls this as it prepares, outside its lock on the global RNG, so a draw from the
     # global generator here would take numbers from whichever concurrent run holds it (its initial weights).
     gen = torch.Generator().manual_seed(0)
-    for key, dtype, n in (("fp32", torch.float32, 1024), ("bf16", torch.bfloat16, 1024), ("fp16", torch.float16, 512)):
+    # Without fp16 hardware fp16's linears are emulated with fp32 GEMMs (precision.emulated_fp16_linears): fp32's
+    # peak is theirs, and torch's own fp16 GEMM, a scalar loop there, is not probed.
+    fp16_hw = bool(_cpu_flags() & {"amx_fp16"})
+    shapes = [("fp32", torch.float32, 1024), ("bf16", torch.bfloat16, 1024)] + (
+        [("fp16", torch.float16, 512)] if fp16_hw else [])
+    for key, dtype, n in shapes:
         a = torch.randn(n, n, generator=gen).to(dtype)
         b = torch.randn(n, n, generator=gen).to(dtype)
         torch.mm(a, b)
@@ -162,6 +167,8 @@ def cpu_peak_tflops(threads: int) -> dict[str, float]:
             best = min(best, time.perf_counter() - t0)
         out[key] = 2.0 * n**3 / best / 1e12
     out["tf32"] = out["fp32"]   # no tf32 on a CPU: fp32 matmuls
+    if not fp16_hw:
+        out["fp16"] = out["fp32"]
     return out
 
 

@@ -1,6 +1,6 @@
 """Library checks of notebooks/04_compare_precisions.ipynb, run in its kernel after the named cells."""
 # %% after: 04-32
-assert answer_runs == 3 * 3 + 2        # exercise 1: three variants, three repeats, two extra seeds
+assert answer_runs == 3 + 3 * 3 + 2    # exercise 1: three drawn live, three variants x three repeats, two seeds
 # %% after: 04-07
 # numbers that mean something: no speed half-width past ±50% is printed as a figure, in any verdict or table
 import re as _re
