@@ -267,7 +267,6 @@ def test_repeats_interleave_and_report_medians(monkeypatch):
         assert cmp.results[name] is mine[0] and len(mine) == 3   # recorded, then 2 timed
         # the timed repeats only, each without its first step (what a process or precision does once)
         tps = [_tokens_per_s(m, True) for m in mine[1:]]
-        assert tps[0] != pytest.approx(mine[1].summary["tokens_per_s"], rel=1e-9)
         walls = [m.summary["wall_s"] for m in mine[1:]]
         r = row(cmp, name)
         assert r.tokens_per_s == pytest.approx(statistics.median(tps))
