@@ -38,14 +38,17 @@ NonFinitePolicy = Literal["skip", "stop", "continue"]
 # experiment trackers report_to can name (nbtrain.integrations.trackers has one callback for each)
 Tracker = Literal["tensorboard", "trackio", "mlflow", "wandb"]
 # how rows of instruction / chat data are laid out (LLaMA-Factory's alpaca and sharegpt, OpenAI/TRL messages, TRL
-# prompt-completion, TRL preference: prompt/chosen/rejected); "text" is plain text, "auto" reads the format from the
-# columns
-DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "messages", "prompt-completion", "preference"]
+# prompt-completion, TRL preference: prompt/chosen/rejected, TRL prompt-only: prompt, for GRPO); "text" is plain
+# text, "auto" reads the format from the columns
+DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "messages", "prompt-completion", "preference", "prompt"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 CHAT_TEMPLATES = ("auto", "chatml", "llama3", "alpaca")   # or a literal Jinja template string
 TrainOn = Literal["completion", "last", "all"]
-# what the loss is: the next-token loss on the targets, or a preference objective over (prompt, chosen, rejected)
-Objective = Literal["lm", "dpo", "orpo", "simpo"]
+# what the loss is: the next-token loss on the targets, a preference objective over (prompt, chosen, rejected), or
+# GRPO's online RL on the model's own sampled completions of prompts, scored by reward functions
+Objective = Literal["lm", "dpo", "orpo", "simpo", "grpo"]
+GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
+IsCorrection = Literal["none", "token_truncate"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 # how several processes hold the model: none (each a full copy, DDP) or fsdp (FSDP2 fully_shard: weights, gradients
 # and optimizer state split over the ranks)
@@ -192,19 +195,50 @@ class TrainConfig(BaseModel):
                                       "(result.samples, the dashboard); blank = none")
     sample_every: Optional[int] = Field(None, ge=1, description="answer the sample prompts every N steps (and at "
                                         "the end); blank = at the end only")
-    max_new_tokens: int = Field(64, ge=1, le=4096, description="tokens per sample answer (greedy)")
+    max_new_tokens: int = Field(64, ge=1, le=4096, description="tokens per sample answer (greedy), and per GRPO "
+                                "completion (sampled)")
     # -- preference tuning (DPO, ORPO, SimPO) -------------------------------------------------------------------
     objective: Objective = Field("lm", description="lm (the next-token loss on the targets), dpo (the policy's "
                                  "log-prob ratios against a reference, chosen vs rejected), orpo (NLL of the chosen "
                                  "answer plus an odds-ratio penalty; no reference) or simpo (length-normalised "
                                  "margin; no reference); dpo/orpo/simpo need preference data (prompt, chosen, "
-                                 "rejected)")
+                                 "rejected); grpo (online RL: num_generations completions sampled per prompt, "
+                                 "scored by reward, pushed up where they beat their group's mean) needs prompt data")
     pref_beta: float = Field(0.1, gt=0, le=100, description="dpo/simpo: beta, the reward scale; orpo: lambda, the "
                              "odds-ratio weight (as LLaMA-Factory's pref_beta)")
     simpo_gamma: float = Field(0.5, ge=0, le=100, description="simpo: the target reward margin gamma")
     precompute_ref: bool = Field(False, description="dpo, full fine-tune: compute the reference log-probs once "
                                  "before training instead of holding a frozen copy of the model (LoRA/QLoRA use "
                                  "the model with its adapters off either way)")
+    # -- online RL (GRPO) ---------------------------------------------------------------------------------------
+    reward: Any = Field(None, description="grpo: one or more reward functions: 'length:N' (closeness to N "
+                        "completion tokens), 'format:REGEX' (1 where the completion matches), 'exact' / 'contains' "
+                        "(against the data's answer column), 'module:function' (imported), or a Python function "
+                        "f(prompts, completions, **columns) -> list[float]")
+    reward_weights: Optional[list[float]] = Field(None, description="grpo: one weight per reward (blank: 1 each); "
+                                                  "the total reward is the weighted sum")
+    num_generations: int = Field(4, ge=2, le=256, description="grpo: completions sampled per prompt (G), the "
+                                 "group whose mean reward is each one's baseline")
+    temperature: float = Field(1.0, gt=0, le=10, description="grpo: sampling temperature of the completions (the "
+                               "trainer scores them at the same temperature)")
+    top_p: float = Field(1.0, gt=0, le=1, description="grpo: sample from the smallest set of tokens holding this "
+                         "much probability; 1 = all")
+    grpo_epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: the clip range of the importance ratio, "
+                                "1 +/- epsilon")
+    grpo_beta: float = Field(0.0, ge=0, le=100, description="grpo: weight of the KL to the reference model (the "
+                             "initial one; 0 = no reference, as TRL's default)")
+    grpo_loss: GrpoLoss = Field("dapo", description="grpo: how the token losses are averaged (as TRL's loss_type): "
+                                "grpo (per completion, then over completions), dr_grpo (over completions x "
+                                "max_new_tokens) or dapo (over all the step's completion tokens)")
+    grpo_iterations: int = Field(1, ge=1, le=64, description="grpo: optimizer steps on each batch of rollouts "
+                                 "(TRL's num_iterations); above 1 the importance ratio leaves 1 and the clip acts")
+    sampler_precision: Optional[Precision] = Field(None, description="grpo: the precision the completions are "
+                                                   "sampled in; blank = the training precision")
+    is_correction: IsCorrection = Field("none", description="grpo: correct the sampler/trainer mismatch: none, or "
+                                        "token_truncate (each token's loss times min(p_trainer / p_sampler, "
+                                        "is_cap), truncated importance sampling)")
+    is_cap: float = Field(2.0, ge=1, le=1000, description="grpo, is_correction='token_truncate': the cap on the "
+                          "importance weight")
     report_to: list[Tracker] = Field(
         [], description="log every step's record, the evals and the config to: tensorboard (output_dir/tensorboard, "
                         "else runs/<time>_<name>), trackio (its local store; trackio show), mlflow "
@@ -345,6 +379,20 @@ class TrainConfig(BaseModel):
                              f"got {v!r}")
         return {k.strip(): c.strip() for k, c in v.items()}
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward(cls, v):
+        # one reward (a name or a function) or a list of them, stored as a list; None = none
+        if v is None or (isinstance(v, str) and not v.strip()):
+            return None
+        items = list(v) if isinstance(v, (list, tuple)) else [v]
+        if not items:
+            raise ValueError(f"give one or more reward functions ({REWARD_HELP})")
+        for r in items:   # the names' syntax here; a 'module:function' is imported when a run prepares
+            if not callable(r):
+                reward_kind(r)
+        return [r.strip() if isinstance(r, str) else r for r in items]
+
     @field_validator("quant_bits")
     @classmethod
     def _bits(cls, v: int) -> int:
@@ -390,10 +438,16 @@ class TrainConfig(BaseModel):
         if self.precision == "fp8" and self.lean_layers:
             raise ValueError("lean_layers: its MLP computes the down projection itself, which would bypass fp8's "
                              "float8 matmul there; set lean_layers=False with precision='fp8'")
-        if self.objective != "lm":
+        if self.objective in ("dpo", "orpo", "simpo"):
             self._check_preference()
         elif self.precompute_ref:
             raise ValueError("precompute_ref: reference log-probs are for objective='dpo'; got objective='lm'")
+        if self.objective == "grpo":
+            self._check_grpo()
+        elif self.reward is not None or self.reward_weights is not None:
+            name = "reward" if self.reward is not None else "reward_weights"
+            raise ValueError(f"{name}: rewards score sampled completions, for objective='grpo'; got "
+                             f"objective={self.objective!r}")
         if self.sharding == "fsdp":
             self._check_fsdp()
         if self.save_every and not self.output_dir:
@@ -419,6 +473,33 @@ class TrainConfig(BaseModel):
                              "or 'auto'")
         if self.precompute_ref and o != "dpo":
             raise ValueError(f"precompute_ref: objective={o!r} uses no reference model; only 'dpo' does")
+
+    def _check_grpo(self) -> None:
+        """What online RL needs: a causal LM, prompt data, rewards, and steps that hold whole groups."""
+        if self.task != "causal-lm":
+            raise ValueError(f"objective: 'grpo' samples completions from a causal LM; got task={self.task!r}")
+        if self.reward is None:
+            raise ValueError("reward: objective='grpo' needs one or more reward functions, e.g. reward='length:32', "
+                             "reward=['format:^[0-9]+$', 'exact'] or a function f(prompts, completions, **columns)")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
+            raise ValueError(f"reward_weights: one weight per reward ({len(self.reward)}), got "
+                             f"{len(self.reward_weights)}")
+        for name, on in (("packing", self.packing), ("chunked_loss", self.chunked_loss),
+                         ("precompute_ref", self.precompute_ref)):
+            if on:
+                raise ValueError(f"{name}: not with objective='grpo' (each completion is scored row by row on its "
+                                 f"own tokens); set {name}=False")
+        if self.data_format not in ("auto", "prompt"):
+            raise ValueError(f"data_format: objective='grpo' reads prompts (TRL's prompt format: a 'prompt' column, "
+                             f"plain text or messages); set data_format='prompt' or 'auto', got {self.data_format!r}")
+        rows = self.micro_batch_size * self.grad_accum_steps
+        if rows % self.num_generations:
+            raise ValueError(f"num_generations: a step's {rows} completions (micro_batch_size x grad_accum_steps = "
+                             f"{self.micro_batch_size} x {self.grad_accum_steps}) must hold whole groups of "
+                             f"num_generations={self.num_generations}; make the product a multiple of it")
+        if self.sample_prompts:
+            raise ValueError("sample_prompts: objective='grpo' shows its own sampled completions (result.rollouts); "
+                             "leave sample_prompts empty")
 
     def _check_fsdp(self) -> None:
         """What FSDP2 sharding does not compose with here, refused before anything loads, each with its reason."""
@@ -454,11 +535,15 @@ class TrainConfig(BaseModel):
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A validated copy with ``changes`` applied."""
-        return type(self)(**{**self.to_dict(), **changes})
+        return type(self)(**{**self.model_dump(), **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of every field, in declaration order."""
-        return self.model_dump()
+        """Plain dict of every field, in declaration order (a reward function as its 'module:function' reference,
+        which loading imports again; one that cannot be imported as ``<name> (not importable)``)."""
+        out = self.model_dump()
+        if out.get("reward") is not None:
+            out["reward"] = [r if isinstance(r, str) else reward_reference(r) for r in out["reward"]]
+        return out
 
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:
         """The config as YAML text; also written to ``path`` when given."""
@@ -481,6 +566,50 @@ class TrainConfig(BaseModel):
     def __repr__(self) -> str:
         changed = {k: v for k, v in self.to_dict().items() if v != type(self).model_fields[k].default}
         return "TrainConfig(" + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + ")"
+
+
+REWARD_HELP = ("built-ins: length:N, format:REGEX, exact, contains; 'module:function'; or a function f(prompts, "
+               "completions, **columns) -> list[float]")
+
+
+def reward_kind(spec: Any) -> tuple[str, str]:
+    """``(kind, argument)`` of a reward's name: ("length", "32"), ("format", REGEX), ("exact", ""), ("contains", ""),
+    ("import", "module:function"). Raises ValueError saying what is wrong and what is allowed (the name's syntax
+    only: a module is imported when a run prepares)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"{spec!r} is neither a name nor a function ({REWARD_HELP})")
+    spec = spec.strip()
+    name, _, arg = spec.partition(":")
+    if name == "length":
+        if not re.fullmatch(r"\d+", arg.strip()) or int(arg) < 1:
+            raise ValueError(f"{spec!r}: length:N takes a whole number of tokens N >= 1, e.g. 'length:32'")
+        return "length", arg.strip()
+    if name == "format":
+        if not arg:
+            raise ValueError(f"{spec!r}: format:REGEX needs a pattern, e.g. 'format:^<answer>.*</answer>$'")
+        try:
+            re.compile(arg)
+        except re.error as e:
+            raise ValueError(f"{spec!r}: not a regular expression ({e})") from None
+        return "format", arg
+    if spec in ("exact", "contains"):
+        return spec, ""
+    if spec.endswith("(not importable)"):
+        raise ValueError(f"{spec!r} was a function this config cannot import again (a lambda, or one defined in a "
+                         "notebook); pass the function itself, or put it in a module and name it 'module:function'")
+    if arg and re.fullmatch(r"[A-Za-z_][\w.]*", name) and re.fullmatch(r"[A-Za-z_][\w.]*", arg):
+        return "import", spec
+    raise ValueError(f"unknown {spec!r} ({REWARD_HELP})")
+
+
+def reward_reference(fn: Any) -> str:
+    """'module:qualname' for a function a config can import again; '<name> (not importable)' otherwise (a lambda,
+    a function defined in a notebook or inside another)."""
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if not mod or not qual or mod == "__main__" or "<" in qual:
+        return f"{name} (not importable)"
+    return f"{mod}:{qual}"
 
 
 def load_yaml_mapping(path: str | os.PathLike, what: str = "keys") -> dict:

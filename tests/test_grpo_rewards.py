@@ -37,7 +37,7 @@ def test_a_callable_gets_the_columns_and_weights_apply():
     ("length:x", None, r"length:N takes a whole number"),
     ("format:(", None, r"reward: 'format:\(': not a regular expression"),
     ("format:", None, r"format:REGEX needs a pattern"),
-    ("bleu", None, r"reward: unknown 'bleu' \(built-ins: length:N, format:REGEX, exact, contains, or a function"),
+    ("bleu", None, r"reward: unknown 'bleu' \(built-ins: length:N, format:REGEX, exact, contains; 'module:function'; or a function"),
     ([], None, r"reward: give one or more reward functions"),
     (3, None, r"reward: 3 is neither a name nor a function"),
     (["exact", "exact"], None, r"reward: each reward once"),

@@ -37,6 +37,25 @@ class StepRecord:
     reward_rejected: Optional[float] = field(default=None, kw_only=True)
     reward_margin: Optional[float] = field(default=None, kw_only=True)
     reward_accuracy: Optional[float] = field(default=None, kw_only=True)
+    # online RL (objective="grpo"; None otherwise). The sampler's log-probs of the tokens it drew against the
+    # trainer's teacher-forced ones for the same tokens, over the step's completion tokens: the mean and largest
+    # |delta log p| (nats), the k3 estimate of KL(sampler || trainer), and the importance ratio p_trainer / p_sampler;
+    # on sampled steps each side against an fp32 teacher-forced pass (mean |delta log p|). Then the step's rewards
+    # (mean and std of the total), mean completion length in tokens, the share of tokens whose ratio the clip held,
+    # and the share of groups whose rewards were all equal (advantage 0)
+    mismatch_mean: Optional[float] = field(default=None, kw_only=True)
+    mismatch_max: Optional[float] = field(default=None, kw_only=True)
+    mismatch_kl: Optional[float] = field(default=None, kw_only=True)
+    is_ratio_min: Optional[float] = field(default=None, kw_only=True)
+    is_ratio_mean: Optional[float] = field(default=None, kw_only=True)
+    is_ratio_max: Optional[float] = field(default=None, kw_only=True)
+    sampler_fp32_gap: Optional[float] = field(default=None, kw_only=True)
+    trainer_fp32_gap: Optional[float] = field(default=None, kw_only=True)
+    reward_mean: Optional[float] = field(default=None, kw_only=True)
+    reward_std: Optional[float] = field(default=None, kw_only=True)
+    completion_len_mean: Optional[float] = field(default=None, kw_only=True)
+    clip_ratio: Optional[float] = field(default=None, kw_only=True)
+    frac_zero_std: Optional[float] = field(default=None, kw_only=True)
     variant: Optional[str] = None  # set by compare(): which variant produced this record
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,9 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from ..config import REWARD_HELP as _HELP
+from ..config import reward_kind
+
 BUILTIN_REWARDS = ("length:N", "format:REGEX", "exact", "contains")
-_HELP = ("built-ins: " + ", ".join(BUILTIN_REWARDS) + ", or a function f(prompts, completions, **columns) -> "
-         "list[float]")
 
 
 class RewardError(ValueError):
@@ -57,28 +58,35 @@ def parse_rewards(reward: Any, reward_weights: Sequence[float] | None = None) ->
 def _make(spec: Any) -> Reward:
     if callable(spec):
         return Reward(getattr(spec, "__name__", type(spec).__name__), spec)
-    if not isinstance(spec, str):
-        raise RewardError(f"reward: {spec!r} is neither a name nor a function ({_HELP})")
-    name, _, arg = spec.partition(":")
-    if name == "length":
-        try:
-            n = int(arg)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise RewardError(f"reward: {spec!r}: length:N takes a whole number of tokens N >= 1, e.g. 'length:32'")
-        return Reward(spec, _length(n))
-    if name == "format":
-        try:
-            pattern = re.compile(arg)
-        except re.error as e:
-            raise RewardError(f"reward: {spec!r}: not a regular expression ({e})") from None
-        if not arg:
-            raise RewardError(f"reward: {spec!r}: format:REGEX needs a pattern, e.g. 'format:^<answer>.*</answer>$'")
-        return Reward(spec, _format(pattern))
-    if spec in ("exact", "contains") and not arg:
-        return Reward(spec, _exact if spec == "exact" else _contains)
-    raise RewardError(f"reward: unknown {spec!r} ({_HELP})")
+    try:
+        kind, arg = reward_kind(spec)
+    except ValueError as e:
+        raise RewardError(f"reward: {e}") from None
+    if kind == "length":
+        return Reward(spec, _length(int(arg)))
+    if kind == "format":
+        return Reward(spec, _format(re.compile(arg)))
+    if kind in ("exact", "contains"):
+        return Reward(spec, _exact if kind == "exact" else _contains)
+    module, _, qualname = spec.partition(":")
+    return Reward(spec, _imported(module, qualname, spec))
+
+
+def _imported(module: str, qualname: str, spec: str):
+    """The function 'module:qualname' names (a reward saved in a YAML config, or given on the command line)."""
+    import importlib
+
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise RewardError(f"reward: {spec!r}: cannot import module {module!r} ({e})") from None
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise RewardError(f"reward: {spec!r}: module {module!r} has no {qualname!r}")
+    if not callable(obj):
+        raise RewardError(f"reward: {spec!r} is not a function")
+    return obj
 
 
 def _length(n: int):
