@@ -188,11 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="write the config for transformers, LLaMA-Factory, AutoTrain or accelerate")
     with_config(x)
     x.add_argument("--to", required=True,
-                   choices=["training-args", "trl-sft", "trl-dpo", "llamafactory", "autotrain", "accelerate-config"],
+                   choices=["training-args", "trl-sft", "trl-dpo", "trl-grpo", "llamafactory", "autotrain",
+                            "accelerate-config"],
                    help="training-args: JSON of TrainingArguments keywords (+ peft/bitsandbytes configs); trl-sft: "
                         "JSON of trl.SFTConfig keywords (+ peft/bitsandbytes configs, notes); trl-dpo: the same for "
-                        "trl.DPOConfig (objective dpo; ORPOConfig / CPOConfig for orpo / simpo); the others: YAML "
-                        "for that tool")
+                        "trl.DPOConfig (objective dpo; ORPOConfig / CPOConfig for orpo / simpo); trl-grpo: the same "
+                        "for trl.GRPOConfig (objective grpo), with the rewards by name; the others: YAML for that "
+                        "tool")
     x.add_argument("--out", default=None, help="write here instead of printing")
     x.set_defaults(fn=cmd_export)
 

@@ -444,6 +444,9 @@ class TrainConfig(BaseModel):
             raise ValueError("precompute_ref: reference log-probs are for objective='dpo'; got objective='lm'")
         if self.objective == "grpo":
             self._check_grpo()
+        elif self.data_format == "prompt":
+            raise ValueError(f"data_format: 'prompt' is prompts without answers, for objective='grpo' (online RL); "
+                             f"got objective={self.objective!r}")
         elif self.reward is not None or self.reward_weights is not None:
             name = "reward" if self.reward is not None else "reward_weights"
             raise ValueError(f"{name}: rewards score sampled completions, for objective='grpo'; got "

@@ -438,7 +438,7 @@ def test_python_docs_builtin_is_deterministic_paragraphs():
     assert all(len(t) >= 40 and "\n" not in t and "  " not in t and t == t.strip() for t in texts)
     # heading underlines are gone (tables keep their "|====|" rules)
     assert not any(re.match(r'[\w "]+ [*=]{5,}', t) for t in texts)
-    assert set(builtin_names()) == {"python-docs", "python-docs-topics", "python-docs-qa", "python-docs-pref",
+    assert set(builtin_names()) == {"python-docs", "python-docs-topics", "python-docs-qa", "python-docs-pref", "prompts",
                                   "digits"}   # digits: images
 
 

@@ -153,9 +153,14 @@ def test_healthy_50_step_run():
     h = r.history
     assert list(h.columns) == list(STEP_FIELDS)
     assert list(h.step) == list(range(1, 51)) and len(seen.records) == 50
-    # no scaler and no accelerator on the CPU; no preference objective (objective="lm")
+    # no scaler and no accelerator on the CPU; no preference or RL objective (objective="lm")
+    from nbtrain.engine.records import StepRecord
+
+    grpo = {f for f in STEP_FIELDS if f not in StepRecord.__dataclass_fields__ or f.startswith(("mismatch_", "is_ratio_"))}
+    grpo |= {"sampler_fp32_gap", "trainer_fp32_gap", "reward_mean", "reward_std", "completion_len_mean", "clip_ratio",
+             "frac_zero_std"}
     cpu_none = {"scale", "vram_allocated_gib", "vram_reserved_gib", "vram_peak_gib", "reward_chosen",
-                "reward_rejected", "reward_margin", "reward_accuracy"}
+                "reward_rejected", "reward_margin", "reward_accuracy"} | grpo
     for rec in seen.records:
         for f in STEP_FIELDS:
             v = getattr(rec, f)

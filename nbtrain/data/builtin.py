@@ -49,6 +49,12 @@ topic key such as ``"assignment"`` to a few pages of plain-text reference docume
     open alike), so every phrasing of a question gets the same rejected answer, the same list every time and in
     every process, and the rejected answer is never the chosen one.
 
+``builtin:prompts`` (online RL: GRPO; TRL's conversational ``prompt`` and an ``answer`` column)
+    Sums of two whole numbers 0-19, "What is 7 + 12?", after a system prompt asking for the number alone; the
+    ``answer`` column holds the sum ("19") for the ``exact`` and ``contains`` rewards. All 400 pairs, in a fixed
+    spread-out order (row i is pair (157 i) mod 400), so the first N rows mix small and large numbers; the same list
+    every time.
+
 ``builtin:digits`` (image classification)
     scikit-learn's ``load_digits()``: 1,797 grey 8x8 images of handwritten digits (UCI's optical
     recognition set, 4-bit pixels 0..16) labelled 0-9, shipped inside the scikit-learn package, in its
@@ -98,6 +104,8 @@ BUILTINS: dict[str, str] = {
                       "with a system prompt, for instruction tuning",
     "python-docs-pref": "the same questions with the right answer chosen and another topic's answer rejected "
                         "(prompt/chosen/rejected), for preference tuning (dpo, orpo, simpo)",
+    "prompts": "400 sums of two numbers 0-19 as chat prompts with their answer (prompt/answer), for online RL "
+               "(grpo)",
     "digits": "1,797 handwritten digits, 8x8 grey images labelled 0-9 (scikit-learn's load_digits), for "
               "image classification",
 }
@@ -260,6 +268,14 @@ def _pref() -> tuple[tuple[str, str, str], ...]:
     return tuple((q, a, rejected_of[t]) for t, q, a in _qa_rows())
 
 
+PROMPTS_SYSTEM = "Answer with the number only."
+
+
+def _sums() -> tuple[tuple[int, int], ...]:
+    # 157 is coprime with 400: every pair once, neighbours far apart
+    return tuple(divmod((157 * i) % 400, 20) for i in range(400))
+
+
 def builtin_names() -> list[str]:
     """Names of the builtin datasets (use them as ``data="builtin:<name>"``)."""
     return list(BUILTINS)
@@ -272,6 +288,8 @@ def builtin_texts(name: str) -> list[str]:
         return list(_docs())
     if name == "python-docs-qa":
         return [f"{q}\n{a}" for q, a in _qa()]
+    if name == "prompts":   # as plain text, a question and its answer
+        return [f"What is {a} + {b}? {a + b}" for a, b in _sums()]
     if name == "python-docs-pref":   # as plain text, a question and its right answer (the QA set's texts)
         return [f"{q}\n{a}" for q, a, _ in _pref()]
     return [t for t, _ in _topics()]
@@ -280,8 +298,13 @@ def builtin_texts(name: str) -> list[str]:
 def builtin_rows(name: str) -> list[dict]:
     """A builtin dataset as rows: ``{"text": str}``, plus ``"label": int`` for the labelled one; ``{"messages":
     [system, user, assistant]}`` for ``python-docs-qa``; ``{"prompt": [system, user], "chosen": [assistant],
-    "rejected": [assistant]}`` for ``python-docs-pref``."""
+    "rejected": [assistant]}`` for ``python-docs-pref``; ``{"prompt": [system, user], "answer": str}`` for
+    ``prompts``."""
     name = _text_name(name)
+    if name == "prompts":
+        return [{"prompt": [{"role": "system", "content": PROMPTS_SYSTEM},
+                            {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+                for a, b in _sums()]
     if name == "python-docs-pref":
         return [{"prompt": [{"role": "system", "content": QA_SYSTEM}, {"role": "user", "content": q}],
                  "chosen": [{"role": "assistant", "content": c}],

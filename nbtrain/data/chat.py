@@ -315,6 +315,14 @@ def detect_format(column_names: list[str], cfg: TrainConfig, info: dict | None =
     colmap.update(cfg.columns)
     if fmt == "text":
         return "text", colmap, tags
+    if getattr(cfg, "objective", "lm") == "grpo" or fmt == "prompt":
+        # online RL reads the prompts; every other column goes to the reward functions
+        field = colmap.get("prompt", "prompt")
+        if field not in column_names:
+            raise DataError(f"{where}: objective='grpo' needs a {field!r} column (TRL's prompt format: a string or "
+                            f"role/content messages per row); its columns are {sorted(column_names)}. Map yours with "
+                            "columns={'prompt': '<your column>'}")
+        return "prompt", {**{c: c for c in column_names}, "prompt": field}, tags
     pref = _detect_preference(column_names, cfg, fmt, info, colmap, tags, where)
     if pref is not None:   # prompt / chosen / rejected rows (preference.py reads them)
         return pref

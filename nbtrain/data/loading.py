@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import hub
-from . import builtin, chat, preference
+from . import builtin, chat, preference, prompts
 from .bundle import IMAGE_EXTS, DataBundle, DataError
 
 if TYPE_CHECKING:
@@ -107,6 +107,8 @@ def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
     pad_token_id = _pad_token_id(tokenizer)
 
     rows = _read(cfg)
+    if rows.fmt == prompts.PROMPT_FORMAT:
+        return prompts.load_prompts(cfg, tokenizer, rows.parts or [rows], rows.source, pad_token_id, split_indices)
     if chat.is_preference(rows.fmt):
         return preference.load_preference(cfg, tokenizer, rows.parts or [rows], rows.source, pad_token_id,
                                           split_indices)
@@ -333,8 +335,13 @@ def _read(cfg: TrainConfig) -> _Rows:
                             f"{cfg.task!r} needs a text dataset such as 'builtin:python-docs')")
         rows = builtin.builtin_rows(name)
         if cfg.task == CAUSAL_LM:
+            if getattr(cfg, "objective", "lm") == "grpo" and rows and "prompt" in rows[0]:
+                # the prompts alone (a preference set's answers become columns the rewards may read)
+                return _Rows(texts=[], labels=None, label_names=None, where=f"data {data!r}",
+                             source=builtin.builtin_source(name), text_column="prompt", label_column="label",
+                             fmt=prompts.PROMPT_FORMAT, records=rows, colmap={}, tags={})
             fmt = "preference" if rows and "chosen" in rows[0] else "messages" if rows and "messages" in rows[0] \
-                else "text"
+                else prompts.PROMPT_FORMAT if rows and "prompt" in rows[0] else "text"
             preference.check_objective(fmt, list(rows[0]) if rows else [], cfg, f"data {data!r}")
         if rows and "chosen" in rows[0]:
             if cfg.task != CAUSAL_LM:
@@ -574,7 +581,7 @@ def _rows_from_dataset(ds, cfg: TrainConfig, where: str, source: str,
         if fmt != "text":
             keep = sorted(set(colmap.values()))
             records = ds.select_columns(keep).to_list()
-            first = (chat.REQUIRED.get(fmt) or chat.PREF_REQUIRED[fmt])[0]
+            first = "prompt" if fmt == prompts.PROMPT_FORMAT else (chat.REQUIRED.get(fmt) or chat.PREF_REQUIRED[fmt])[0]
             return _Rows(texts=[], labels=None, label_names=None, where=where, source=source,
                          text_column=colmap.get(first, ""), label_column=cfg.label_column,
                          fmt=fmt, records=records, colmap=colmap, tags=tags)

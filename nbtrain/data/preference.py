@@ -64,6 +64,15 @@ def check_objective(fmt: str, columns: list[str] | None, cfg: TrainConfig, where
     rejected answers, or objective "lm" on preference data. ``columns``: the data's (None for plain text lines)."""
     objective = getattr(cfg, "objective", "lm")
     found = "one text per line (a plain text file)" if columns is None else f"columns {sorted(columns)}"
+    if objective == "grpo" or fmt == "prompt":
+        if objective != "grpo":
+            raise DataError(f"{where}: this is prompt data ({found}): prompts without answers, for "
+                            f"objective='grpo' (online RL), not objective={objective!r}")
+        if fmt != "prompt":
+            raise DataError(f"{where}: objective='grpo' needs prompt data (TRL's prompt format: a 'prompt' column, a "
+                            f"string or role/content messages per row, other columns passed to the rewards); this "
+                            f"has {found}. 'builtin:prompts' is such data")
+        return
     if objective != "lm" and not chat.is_preference(fmt):
         what = "plain text" if fmt == "text" else f"{fmt} data (one answer per row)"
         raise DataError(f"{where}: objective={objective!r} needs preference data, a prompt with a chosen and a "

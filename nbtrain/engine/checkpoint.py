@@ -424,7 +424,9 @@ def save_run(st, step: int) -> Path:
              "scheduler": st.scheduler.state_dict(), "scaler": st.scaler.state_dict(), "rng": st.rng.state_dict(),
              "prev_scale": st.prev_scale, "data_hash": st.data_hash.hex(), "first_nonfinite": st.first_nonfinite,
              "records": [r.to_dict() for r in st.records], "evals": [r.to_dict() for r in st.evals],
-             "config": st.cfg.to_dict(), "lost_updates": st.lost.state_dict()}
+             "config": st.cfg.to_dict(), "lost_updates": st.lost.state_dict(),
+             # GRPO: the rollout batch in use and the rollout table (plain data and tensors)
+             "objective": st.objective.state_dict() if hasattr(st.objective, "state_dict") else {}}
     if sharded:
         return save_checkpoint(st.ckpt_dir, step, state, st.cfg.to_yaml(), run_id=st.run_id,
                                shards=sharded_state(st.model, st.optimizer), dist=st.dist)

@@ -26,7 +26,8 @@ from .telemetry import host_rss_gib
 EVAL_FIELDS = ("step", "eval_loss", "eval_tokens", "eval_accuracy", "eval_perplexity")
 # Keys a summary shows only when they have a value (classification has no perplexity, most runs no advice).
 _ONLY_WHEN_SET = ("eval_accuracy", "eval_perplexity", "advice", "variant", "sample_s", "lost_updates_by_step",
-                  "logprob_mismatch", "logprob_mismatch_steps", "reference")
+                  "logprob_mismatch", "logprob_mismatch_steps", "reference", "rollout_s", "rollout_tokens_per_s",
+                  "update_tokens_per_s", "mismatch_mean", "sampler_precision")
 
 
 @dataclass(eq=False)
@@ -81,6 +82,14 @@ class RunSummary(Mapping):
     logprob_mismatch: Optional[float] = None
     logprob_mismatch_steps: Optional[int] = None
     reference: Optional[str] = None
+    # online RL (objective="grpo", engine.grpo_run): seconds spent sampling completions (inside wall_s and the steps'
+    # step_time_s), sampled tokens per second of it, the updates' prompt + completion tokens per second of the rest,
+    # the run's sampler/trainer mismatch (mean |delta log p| per completion token), the precision that sampled
+    rollout_s: Optional[float] = None
+    rollout_tokens_per_s: Optional[float] = None
+    update_tokens_per_s: Optional[float] = None
+    mismatch_mean: Optional[float] = None
+    sampler_precision: Optional[str] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def _keys(self) -> list[str]:
@@ -138,6 +147,9 @@ class TrainResult:
     samples: pd.DataFrame = field(default_factory=lambda: sample_frame([]), repr=False)
     sample_records: list[SampleRecord] = field(default_factory=list, repr=False)
     chat: bool = False   # whether prompts get the chat template (chat / instruction data), for generate()
+    #: online RL (objective="grpo"): one row per sampled completion (step, group, prompt, completion,
+    #: completion_tokens, each reward by name, reward (the weighted total), advantage, variant); empty otherwise
+    rollouts: pd.DataFrame = field(default_factory=pd.DataFrame, repr=False)
 
     def generate(self, prompt: str, max_new_tokens: Optional[int] = None, system: Optional[str] = None) -> str:
         """The trained model's greedy answer to ``prompt``, the chat template applied for chat data, under the
@@ -280,7 +292,7 @@ def finish(st: RunState, step: int, stopped_reason: str, wall: float, underflow,
     """Final evaluation, the last samples, summary, outputs and ``on_run_end``; then a callback's error, with the
     result on it."""
     try:
-        ended_well = stopped_reason not in ("interrupted", "out_of_memory", "callback_error")
+        ended_well = stopped_reason not in ("interrupted", "out_of_memory", "callback_error", "reward_error")
         if sampler is not None and sampler.prompts and ended_well:
             before = sampler.seconds
             try:   # every rank answers (a sharded model's forward needs them all); rank 0 alone has callbacks
@@ -312,7 +324,9 @@ def finish(st: RunState, step: int, stopped_reason: str, wall: float, underflow,
         result = TrainResult(history=frame(st.records, STEP_FIELDS), eval_history=frame(st.evals, EVAL_FIELDS),
                              summary=summary, model=model, tokenizer=st.tokenizer, config=st.cfg, info=st.info,
                              records=st.records, samples=sample_frame(samples), sample_records=list(samples),
-                             chat=sampler.chat if sampler is not None else False)
+                             chat=sampler.chat if sampler is not None else False,
+                             rollouts=(st.objective.rollout_frame() if hasattr(st.objective, "rollout_frame")
+                                       else pd.DataFrame()))
         if st.cfg.output_dir and st.dist.rank == 0:
             write_outputs(result, st.cfg.output_dir)
         # Every callback hears the end, even after one of them failed.

@@ -1,5 +1,5 @@
 """GRPO's arithmetic: group-relative advantages, the clipped per-token objective under each normalization, and the
-sampler/trainer mismatch statistics. Pure functions of tensors; the rollout loop that feeds them is not built yet.
+sampler/trainer mismatch statistics. Pure functions of tensors; ``grpo_run`` feeds them from the loop.
 
 Normalizations, as TRL's GRPOConfig defines ``loss_type``:
 
@@ -64,12 +64,13 @@ class GrpoTerms:
 
 def grpo_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                kind: str = "grpo", epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-               ref_logp: torch.Tensor | None = None) -> GrpoTerms:
+               ref_logp: torch.Tensor | None = None, token_weights: torch.Tensor | None = None) -> GrpoTerms:
     """The clipped surrogate of a micro-batch: per token ``-min(ratio x A, clip(ratio, 1 - eps, 1 + eps_high) x A)``
     with ``ratio = exp(logp - old_logp)`` (1 on the first update of a batch whose old log-probs are the trainer's
     own), plus ``beta`` x the k3 KL to the reference. ``logp``/``old_logp``/``ref_logp``/``mask``: (completions,
-    tokens); ``advantages``: one per completion. Under "grpo" each completion's sum is divided by its own token
-    count here (the step divides by completions); under the others the token sum is returned as it is."""
+    tokens); ``advantages``: one per completion; ``token_weights`` (detached, (completions, tokens)): each token's
+    surrogate times its weight (truncated importance sampling). Under "grpo" each completion's sum is divided by its
+    own token count here (the step divides by completions); under the others the token sum is returned as it is."""
     _check_kind(kind)
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
@@ -77,6 +78,8 @@ def grpo_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     high = epsilon if epsilon_high is None else epsilon_high
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights.to(per_token.dtype)
     kl = torch.zeros_like(per_token)
     if beta and ref_logp is not None:
         kl = k3(ref_logp, logp)   # KL(policy || reference), estimated on the policy's own samples

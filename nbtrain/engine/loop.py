@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 
 from ..config import TrainConfig
-from ..data import iter_steps
 from .callbacks import CallbackError, StopTraining
 from .checkpoint import save_run
 from .distributed import grad_norm
@@ -27,6 +26,7 @@ from .fingerprint import chain_step
 from .finish import TrainResult, finish, run_eval, undo
 from .prepare import RunState, prepare
 from .records import StepRecord
+from .rewards import RewardError
 from .sampling import Sampler
 from .telemetry import device_memory_gib, host_rss_gib, reset_peak
 from .threads import spawn
@@ -40,7 +40,7 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
     st = prepare(cfg, callbacks, variant=variant, hash_init=hash_init)
     st.info.timing = timing
     cfg, dist, device, optimizer, scaler = st.cfg, st.dist, st.device, st.optimizer, st.scaler
-    objective = st.objective   # the loss of a micro-batch: next-token, or DPO / ORPO / SimPO (engine.preference)
+    objective = st.objective   # the loss of a micro-batch: next-token, DPO / ORPO / SimPO, or GRPO (engine.grpo_run)
     stopped_reason = "max_steps" if cfg.max_steps is not None else "epochs"
     cb_error: Optional[CallbackError] = None
     step, underflow = st.start_step, None
@@ -56,10 +56,8 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
         stop_event.set()
         stopped_reason, cb_error = "callback_error", e
     t_start = t_prev = time.perf_counter() - (st.records[-1].elapsed_s if st.records else 0.0)
-    # Every rank walks the same global order; global micro-batches of micro x world rows, each rank takes its
-    # share, so N processes x micro m see exactly the examples of 1 process x micro N*m.
-    batches = iter_steps(st.data.train, cfg.micro_batch_size * dist.world, cfg.grad_accum_steps, cfg.seed,
-                         st.data.pad_token_id, st.data.task, start_step=st.start_step)
+    # The data's steps (every rank the same global order, each its share), or GRPO's rollouts, drawn from the model
+    batches = objective.batches(st.start_step)
     try:
         while step < st.total_steps:
             # Every rank must leave the loop at the same step.
@@ -160,6 +158,9 @@ def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event]
             except CallbackError as e:   # the run ends, and keeps all it has (raised after finish)
                 stop_event.set()
                 stopped_reason, cb_error = "callback_error", e
+    except RewardError as e:   # a reward function failed: the run ends, keeps its records, and says which one
+        stopped_reason, cb_error = "reward_error", e
+        step -= 1   # it failed drawing this step's rollouts: the step never ran
     except KeyboardInterrupt:
         stopped_reason = "interrupted"
     except (torch.OutOfMemoryError, MemoryError) as e:

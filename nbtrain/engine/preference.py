@@ -31,14 +31,26 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import autocast
+from .telemetry import sampled_step
 from .losses import ChunkedLossError, decoder_inputs, micro_loss_sum, split_for_chunked_loss, target_positions
 
 STATS = ("reward_chosen", "reward_rejected", "reward_accuracy")
 
 
 def _measured(step: int, total: int) -> bool:
-    # the log-prob mismatch's sampled steps (an extra fp32 forward each): the first three, every 10th, the last
-    return step <= 3 or step % 10 == 0 or step == total
+    # the log-prob mismatch's sampled steps (an extra fp32 forward each)
+    return sampled_step(step, total)
+
+
+def data_steps(st, start_step: int):
+    """The data's steps (``data.iter_steps``): every rank walks the same global order in global micro-batches of
+    micro x world rows and takes its share, so N processes x micro m see exactly the examples of 1 process x micro
+    N*m."""
+    from ..data import iter_steps
+
+    cfg = st.cfg
+    return iter_steps(st.data.train, cfg.micro_batch_size * st.dist.world, cfg.grad_accum_steps, cfg.seed,
+                      st.data.pad_token_id, st.data.task, start_step=start_step)
 
 
 class LMObjective:
@@ -49,6 +61,10 @@ class LMObjective:
 
     def __init__(self, st):
         self.st = st
+
+    def batches(self, start_step: int):
+        """``(epoch, micro-batches)`` of each step from ``start_step`` on (``data_steps``)."""
+        return data_steps(self.st, start_step)
 
     def begin_step(self, step: int) -> None:
         pass
@@ -148,6 +164,10 @@ class PreferenceObjective:
         self._named_nonfinite = False
         if self.name == "dpo":
             self._set_reference()
+
+    def batches(self, start_step: int):
+        """``(epoch, micro-batches)`` of each step from ``start_step`` on (``data_steps``)."""
+        return data_steps(self.st, start_step)
 
     # -- the reference (DPO) ---------------------------------------------------------------------------------
     def _set_reference(self) -> None:
@@ -330,6 +350,10 @@ def make_objective(st):
     """The run's objective object for ``st.cfg.objective``."""
     if st.cfg.objective == "lm":
         return LMObjective(st)
+    if st.cfg.objective == "grpo":
+        from .grpo_run import GrpoObjective
+
+        return GrpoObjective(st)
     return PreferenceObjective(st)
 
 

@@ -204,6 +204,8 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
 
     optimizer = build_optimizer(cfg, params, device)
     per_epoch = steps_per_epoch(len(data.train), cfg.micro_batch_size, cfg.grad_accum_steps)
+    if cfg.objective == "grpo":   # rows are completions, G per prompt, each batch of them used grpo_iterations times
+        per_epoch = math.ceil(len(data.train) * cfg.num_generations / cfg.effective_batch_size) * cfg.grpo_iterations
     total_steps = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
     # The HF Trainer's schedules, step for step (engine/schedules.py; transformers.optimization would import peft
     # and, through it, bitsandbytes into every run).
@@ -287,6 +289,8 @@ def resume(st: RunState, path: str) -> None:
     st.start_step, st.prev_scale = ck["step"], ck["prev_scale"]
     st.data_hash, st.first_nonfinite = bytes.fromhex(ck["data_hash"]), ck["first_nonfinite"]
     st.lost.load_state_dict(ck.get("lost_updates", {}))
+    if hasattr(st.objective, "load_state_dict"):
+        st.objective.load_state_dict(ck.get("objective"))
     st.notes.extend(ck.get("notes", []))
     written = f" (written by {ck['world_size']} processes, read by {st.dist.world})" if ck["shards"] else ""
     st.notes.append(f"resumed from {ck['path']} at step {st.start_step}{written}")

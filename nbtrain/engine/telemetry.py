@@ -15,6 +15,11 @@ _GIB = 2**30
 _PROC = psutil.Process(os.getpid())
 
 
+def sampled_step(step: int, total: int) -> bool:
+    """The steps an extra measurement (an fp32 pass, a tensor count) runs on: the first three, every 10th, the last."""
+    return step <= 3 or step % 10 == 0 or step == total
+
+
 def host_rss_gib() -> float:
     """Resident memory of this process."""
     return _PROC.memory_info().rss / _GIB

@@ -26,11 +26,21 @@ REWARD_PANELS: tuple[str, ...] = ("reward_margin", "reward_accuracy")
 # difference panel of overlaid runs spans the row after the last (DIFF_ROW without rewards).
 PANEL_CELLS: dict[str, tuple[int, int]] = {"loss": (1, 1), "grad_norm": (1, 2), "scale": (2, 1), "memory": (2, 2),
                                            "reward_margin": (3, 1), "reward_accuracy": (3, 2)}
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo")
+# An objective="grpo" run adds these four, in two rows of their own under the 2 x 2 grid (under the preference
+# reward row when a figure holds both kinds of run): the reward, the completions' length, the share of clipped
+# tokens and the sampler/trainer log-prob mismatch. No other run gets them.
+GRPO_PANELS: tuple[str, ...] = ("reward", "completion_len", "clip_ratio", "mismatch")
+# (row after the rows above them, column) of each GRPO panel in a run figure; run_cells gives the absolute cells
+_GRPO_OFFSETS = {"reward": (0, 1), "completion_len": (0, 2), "clip_ratio": (1, 1), "mismatch": (1, 2)}
 
 _REWARD_COLS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
+_GRPO_COLS = ("mismatch_mean", "mismatch_max", "mismatch_kl", "is_ratio_min", "is_ratio_mean", "is_ratio_max",
+              "sampler_fp32_gap", "trainer_fp32_gap", "reward_mean", "reward_std", "completion_len_mean",
+              "clip_ratio", "frac_zero_std")
 _FLOAT_COLS = ("step", "epoch", "tokens", "loss", "lr", "grad_norm", "scale", "vram_allocated_gib",
                "vram_reserved_gib", "vram_peak_gib", "host_rss_gib", "host_tensors_gib", "step_time_s",
-               "tokens_per_s", "elapsed_s") + _REWARD_COLS
+               "tokens_per_s", "elapsed_s") + _REWARD_COLS + _GRPO_COLS
 _BOOL_COLS = ("clipped", "skipped", "nonfinite")
 _EVAL_COLS = ("step", "eval_loss")
 
@@ -43,7 +53,9 @@ _SOLO = dict(loss="#9ecae1", loss_ema="#1f77b4", eval_loss="#ff7f0e", grad_norm=
              vram_reserved="#17becf", vram_peak="#d62728", device_total="#7f7f7f", host_rss="#1f77b4",
              host_tensors="#1f77b4", host_rss_secondary="#9e9e9e", reward_margin="#cab2d6",
              reward_margin_ema="#6a3d9a", reward_chosen="#2ca02c", reward_rejected="#d62728",
-             reward_accuracy="#fdbf6f", reward_accuracy_ema="#ff7f00")
+             reward_accuracy="#fdbf6f", reward_accuracy_ema="#ff7f00", reward_mean="#2ca02c",
+             completion_len_mean="#8c564b", length_cap="#7f7f7f", clip_ratio="#9467bd", mismatch_mean="#d62728",
+             sampler_fp32_gap="#1f77b4", trainer_fp32_gap="#ff7f0e")
 # What process RSS is, wherever it is drawn next to the run's own tensors.
 RSS_NOTE = "process RSS — whole process, includes earlier runs and libraries"
 # The run-tensor count is taken on sampled steps (RunTensorBytes.measures): the line joins those.
@@ -138,11 +150,30 @@ def has_rewards(c: Mapping[str, np.ndarray], info: Any = None) -> bool:
     any of its records carried a reward."""
     objective = getattr(getattr(info, "config", None), "objective", None)
     if isinstance(objective, str):
-        return objective != "lm"
+        return objective in PREFERENCE_OBJECTIVES
     flags = c.get("rewarded")
     if flags is not None:
         return bool(np.asarray(flags).any())
     return bool(np.isfinite(c.get("reward_margin", np.array([]))).any())
+
+
+def has_grpo(c: Mapping[str, np.ndarray], info: Any = None) -> bool:
+    """Whether a run's figure gets the GRPO panels: its config's objective when the run info has one (so they are
+    there before the first step), else whether any of its records carried a GRPO reward or mismatch."""
+    objective = getattr(getattr(info, "config", None), "objective", None)
+    if isinstance(objective, str):
+        return objective == "grpo"
+    return any(bool(np.isfinite(c.get(k, np.array([]))).any()) for k in ("reward_mean", "mismatch_mean"))
+
+
+def run_cells(rewards: bool = False, grpo: bool = False) -> dict[str, tuple[int, int]]:
+    """Each panel's (row, col) in a run figure with these optional rows: PANEL_CELLS, and the GRPO panels in the two
+    rows after the last one above them."""
+    first = 3 + (1 if rewards else 0)
+    cells = dict(PANEL_CELLS)
+    if grpo:
+        cells.update({p: (first + dr, c) for p, (dr, c) in _GRPO_OFFSETS.items()})
+    return cells
 
 
 def eval_columns(eval_history: Any) -> dict[str, np.ndarray]:

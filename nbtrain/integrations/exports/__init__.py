@@ -37,6 +37,13 @@ CPOConfig, named in the output). All three read back (``pref_fields_from_trl`` f
 cannot say (precompute_ref outside TRL, ORPO's lambda in AutoTrain, TRL's fixed column names, how each tool cuts long
 rows) is in the notes; TrainingArguments and trl-sft have no preference loss (a note, and a refusal).
 
+Online RL (objective grpo) exports as TRL's ``GRPOConfig`` only (``nbtrain export --to trl-grpo``, ``trl_grpo``):
+num_generations, max_completion_length, temperature, top_p, epsilon, beta, loss_type, num_iterations and
+reward_weights, with the rewards by name (``reward_funcs``; ``nbtrain.engine.rewards.parse_rewards`` makes them
+functions). What GRPOConfig cannot carry (a sampler precision of its own, the sampler/trainer correction and its
+records outside vLLM, functions that cannot be imported) is in the notes. LLaMA-Factory, AutoTrain, trl-sft and
+trl-dpo have no GRPO: refused, pointing at trl-grpo.
+
 Sharding (issue 28): sharding="fsdp" is TrainingArguments' (and so TRL's) ``fsdp`` + ``fsdp_config`` (FSDP2,
 reshard_after_forward, each decoder layer wrapped, sharded checkpoints), the same keys in LLaMA-Factory's YAML
 (read back, FSDP1 and offload / hybrid options named in the warning), and accelerate's ``distributed_type: FSDP``
@@ -114,24 +121,34 @@ from .trl_dpo import (
     pref_fields_from_trl,
     trl_pref_class,
 )
+from .trl_grpo import (
+    TRL_GRPO_CLASS,
+    TRL_GRPO_FIELDS,
+    check_not_grpo,
+    grpo_config,
+    grpo_config_kwargs,
+    grpo_reward_funcs,
+)
 from .trl_sft import TRL_SFT_FIELDS, sft_config, sft_config_kwargs
 
 # the names ``export_text`` (and ``nbtrain export --to``) take for every config
 EXPORT_FORMATS = ("training-args", "trl-sft", "llamafactory", "autotrain", "accelerate-config")
 # the names that export preference tuning only (objective dpo / orpo / simpo; "lm" is refused there)
 PREF_EXPORT_FORMATS = ("trl-dpo",)
+# the names that export online RL only (objective grpo; every other objective is refused there)
+GRPO_EXPORT_FORMATS = ("trl-grpo",)
 
-__all__ = ["ACCELERATE_FSDP_ENV", "AUTOTRAIN_FIELDS", "CHAT_BUILTINS", "EXPORT_FORMATS", "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY", "OPTIM_IN",
-           "OPTIM_NAMES", "PREF_EXPORT_FORMATS", "PREF_FIELDS", "SAMPLE_FIELDS", "TRL_PREF_CLASSES",
-           "TRL_PREF_FIELDS", "TRL_SFT_FIELDS", "accelerate_config", "accelerate_config_notes",
-           "autotrain_config", "chat_format", "dpo_config", "dpo_config_json", "dpo_config_kwargs", "export_text",
-           "from_autotrain_yaml", "from_llamafactory_yaml", "hf_scheduler", "llamafactory_config",
-           "llamafactory_dataset_info", "nbtrain_optimizer_and_scheduler", "peft_and_quant_configs",
-           "pref_fields_from_trl", "pref_format",
+__all__ = ["ACCELERATE_FSDP_ENV", "AUTOTRAIN_FIELDS", "CHAT_BUILTINS", "EXPORT_FORMATS", "GRPO_EXPORT_FORMATS",
+           "LLAMAFACTORY_FIELDS", "NBTRAIN_ONLY", "OPTIM_IN", "OPTIM_NAMES", "PREF_EXPORT_FORMATS", "PREF_FIELDS",
+           "SAMPLE_FIELDS", "TRL_PREF_CLASSES", "TRL_GRPO_CLASS", "TRL_GRPO_FIELDS", "TRL_PREF_FIELDS",
+           "TRL_SFT_FIELDS", "accelerate_config", "accelerate_config_notes", "autotrain_config", "chat_format",
+           "check_not_grpo", "dpo_config", "dpo_config_json", "dpo_config_kwargs", "export_text",
+           "from_autotrain_yaml", "from_llamafactory_yaml", "grpo_config", "grpo_config_json", "grpo_config_kwargs",
+           "grpo_reward_funcs", "hf_scheduler", "llamafactory_config", "llamafactory_dataset_info",
+           "nbtrain_optimizer_and_scheduler", "peft_and_quant_configs", "pref_fields_from_trl", "pref_format",
            "read_autotrain_yaml", "read_llamafactory_yaml", "sft_config", "sft_config_json", "sft_config_kwargs",
            "to_accelerate_config_yaml", "to_autotrain_yaml", "to_llamafactory_yaml", "to_training_arguments",
-           "training_arguments_json", "training_arguments_kwargs",
-           "training_arguments_notes", "trl_pref_class"]
+           "training_arguments_json", "training_arguments_kwargs", "training_arguments_notes", "trl_pref_class"]
 
 
 def training_arguments_json(cfg: TrainConfig) -> dict[str, Any]:
@@ -154,7 +171,8 @@ def training_arguments_json(cfg: TrainConfig) -> dict[str, Any]:
 
 def sft_config_json(cfg: TrainConfig) -> dict[str, Any]:
     """TRL's SFTConfig keywords, plus ``peft_config`` / ``quantization_config`` when the method uses them and
-    the ``notes``, as JSON-friendly dicts (``trl.SFTConfig(**out["sft_config"])``)."""
+    the ``notes``, as JSON-friendly dicts (``trl.SFTConfig(**out["sft_config"])``); objective="grpo" is refused."""
+    check_not_grpo(cfg, "trl-sft")
     out = training_arguments_json(cfg)
     kw, notes = sft_config(cfg)
     out.pop("training_arguments")
@@ -166,7 +184,8 @@ def dpo_config_json(cfg: TrainConfig) -> dict[str, Any]:
     """TRL's preference config for ``cfg.objective`` (``trl_pref_class``): ``config_class`` and ``trainer_class``
     (trl.DPOConfig / trl.DPOTrainer for dpo; TRL's experimental ORPOConfig for orpo and CPOConfig for simpo), its
     keywords under ``dpo_config`` / ``orpo_config`` / ``cpo_config``, ``peft_config`` / ``quantization_config`` when
-    the method uses them, and the ``notes``."""
+    the method uses them, and the ``notes``; objective="grpo" is refused."""
+    check_not_grpo(cfg, "trl-dpo")
     cls, trainer, key = trl_pref_class(cfg)
     out = training_arguments_json(cfg)
     kw, notes = dpo_config(cfg)
@@ -175,22 +194,39 @@ def dpo_config_json(cfg: TrainConfig) -> dict[str, Any]:
     return {"config_class": cls, "trainer_class": trainer, key: kw, **out, "notes": notes}
 
 
+def grpo_config_json(cfg: TrainConfig) -> dict[str, Any]:
+    """TRL's GRPOConfig for objective="grpo": ``config_class`` / ``trainer_class`` (trl.GRPOConfig /
+    trl.GRPOTrainer), its keywords under ``grpo_config``, the rewards by name under ``reward_funcs`` (GRPOTrainer's
+    argument; see the notes for making them functions), ``peft_config`` / ``quantization_config`` when the method
+    uses them, and the ``notes``. Another objective is a ConfigError naming its export."""
+    cls, trainer, key = TRL_GRPO_CLASS
+    kw, notes = grpo_config(cfg)
+    out = training_arguments_json(cfg)
+    out.pop("training_arguments")
+    out.pop("notes", None)   # grpo_config's notes include them
+    return {"config_class": cls, "trainer_class": trainer, key: kw, "reward_funcs": grpo_reward_funcs(cfg), **out,
+            "notes": notes}
+
+
 def export_text(cfg: TrainConfig, to: str, path: Optional[str | os.PathLike] = None) -> str:
     """The text of one export by name (the ``nbtrain export`` command): training-args (JSON of the
     TrainingArguments keywords, plus peft_config / quantization_config), trl-sft (the same for TRL's SFTConfig,
     with notes), trl-dpo (TRL's DPOConfig, or ORPOConfig / CPOConfig for orpo / simpo: ``dpo_config_json``),
-    llamafactory, autotrain, accelerate-config. Written to ``path`` when given."""
+    trl-grpo (TRL's GRPOConfig for objective grpo: ``grpo_config_json``), llamafactory, autotrain,
+    accelerate-config. Written to ``path`` when given."""
     if to == "training-args":
         return write_text(json.dumps(training_arguments_json(cfg), indent=2, default=str) + "\n", path)
     if to == "trl-sft":
         return write_text(json.dumps(sft_config_json(cfg), indent=2, default=str) + "\n", path)
     if to == "trl-dpo":
         return write_text(json.dumps(dpo_config_json(cfg), indent=2, default=str) + "\n", path)
+    if to == "trl-grpo":
+        return write_text(json.dumps(grpo_config_json(cfg), indent=2, default=str) + "\n", path)
     if to == "llamafactory":
         return to_llamafactory_yaml(cfg, path)
     if to == "autotrain":
         return to_autotrain_yaml(cfg, path)
     if to == "accelerate-config":
         return to_accelerate_config_yaml(cfg, path)
-    names = EXPORT_FORMATS + PREF_EXPORT_FORMATS
+    names = EXPORT_FORMATS + PREF_EXPORT_FORMATS + GRPO_EXPORT_FORMATS
     raise ValueError(f"--to: {to!r}; choose {', '.join(names[:-1])} or {names[-1]}")

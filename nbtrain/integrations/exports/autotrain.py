@@ -10,7 +10,8 @@ Preference tuning: objective="dpo" is ``task: llm-dpo`` with ``params.dpo_beta``
 passes no beta to TRL's ORPOConfig, so ORPO's lambda is TRL's default 0.1: another pref_beta is named in the notes);
 the column mapping is ``prompt_text_column``, ``text_column`` (the chosen answer) and ``rejected_text_column``;
 ``params.max_prompt_length`` is half of block_size. AutoTrain has no SimPO: objective="simpo" is refused (a
-ConfigError naming the formats that have it), as exporting ORPO or DPO instead would train another loss.
+ConfigError naming the formats that have it), as exporting ORPO or DPO instead would train another loss. Nor has
+it GRPO: objective="grpo" is refused likewise, pointing at ``--to trl-grpo``.
 
 Several GPUs: AutoTrain's LLM tasks launch ``accelerate launch --multi_gpu`` (``params.distributed_backend: ddp``,
 also its default) or DeepSpeed ZeRO-3 (``deepspeed``); it has no FSDP. sharding="none" exports as ddp;
@@ -136,6 +137,10 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     <DIR's name>``, the folder of class subfolders AutoTrain reads."""
     llm = cfg.task == "causal-lm"
     image = cfg.task == "image-classification"
+    if cfg.objective == "grpo":
+        raise ConfigError("objective: AutoTrain has no GRPO (its LLM tasks are llm, llm-sft, llm-reward, llm-dpo "
+                          "and llm-orpo; none samples completions and scores them with reward functions); export it "
+                          "with --to trl-grpo (TRL's GRPOConfig)", field="objective")
     if cfg.objective == "simpo":
         raise ConfigError("objective: AutoTrain has no SimPO (its preference tasks are llm-dpo and llm-orpo, a "
                           "different loss); export it with --to llamafactory (stage dpo, pref_loss simpo) or --to "

@@ -23,7 +23,8 @@ Preference tuning (objective dpo / orpo / simpo) is ``stage: dpo`` with ``pref_l
 ``chosen`` / ``rejected`` columns. The import reads stage dpo back (pref_loss gives the objective); its keys for what
 nbtrain does not run (pref_ftx, dpo_label_smoothing, ld_alpha, a separate ref_model) are unmapped unless off, and a
 ranking entry outside stage dpo (or a plain one inside) is an error, as LLaMA-Factory refuses both. LLaMA-Factory has
-no precomputed reference (precompute_ref is named in the notes).
+no precomputed reference (precompute_ref is named in the notes). It has no GRPO: objective="grpo" is refused (a
+ConfigError pointing at ``--to trl-grpo``), as stage sft or dpo would train another loss.
 """
 
 from __future__ import annotations
@@ -117,6 +118,14 @@ _LF_PREF_WHY = {
 }
 
 
+def _refuse_grpo(cfg: TrainConfig) -> None:
+    # stage ppo trains against a reward model; writing sft or dpo instead would train another loss
+    if cfg.objective == "grpo":
+        raise ConfigError("objective: LLaMA-Factory has no GRPO (its stages are pt, sft, rm, ppo, dpo, kto; ppo "
+                          "scores with a reward model, not reward functions); export it with --to trl-grpo (TRL's "
+                          "GRPOConfig)", field="objective")
+
+
 def llamafactory_config(cfg: TrainConfig, dataset_dir: Optional[str] = None) -> tuple[dict[str, Any], dict[str, str]]:
     """``(the LLaMA-Factory YAML as a flat dict, notes)``; notes name the fields it cannot carry.
 
@@ -152,6 +161,7 @@ def llamafactory_dataset_info(cfg: TrainConfig, dataset_dir: Optional[str] = Non
     the optional alpaca ``system`` and ``history`` columns are written only when cfg.columns names them (a
     name LLaMA-Factory is given must exist in the file). With ``dataset_entry``: those entries of the data folder's
     own ``dataset_info.json``, as they are."""
+    _refuse_grpo(cfg)
     pref = pref_format(cfg)
     fmt = pref or chat_format(cfg)
     if fmt is None:
@@ -262,6 +272,7 @@ def _sft_notes(cfg: TrainConfig, fmt: str, template_only: bool = False) -> dict[
 
 def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
                            ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    _refuse_grpo(cfg)
     if cfg.task != "causal-lm":
         raise ConfigError(f"task: LLaMA-Factory has no {cfg.task!r} stage (its stages are pt, sft, rm, ppo, "
                           "dpo, kto); only task='causal-lm' exports", field="task")
@@ -386,7 +397,8 @@ def to_llamafactory_yaml(cfg: TrainConfig, path=None) -> str:
 
     For chat data written to a path, the dataset's entry (``llamafactory_dataset_info``) goes into
     ``dataset_info.json`` beside it (merged into one already there) and ``dataset_dir`` names that folder;
-    printed, the header says where the entry goes."""
+    printed, the header says where the entry goes. objective="grpo" is refused (LLaMA-Factory has no GRPO)."""
+    _refuse_grpo(cfg)
     fmt = pref_format(cfg) or chat_format(cfg)
     ddir = str(Path(path).parent) if (fmt and path is not None and not cfg.dataset_entry) else None
     sections, notes = _llamafactory_sections(cfg, ddir)

@@ -154,7 +154,12 @@ def training_arguments_notes(cfg: TrainConfig) -> dict[str, str]:
                                            "activation_checkpointing (FSDP's checkpoint wrapper on each layer), with "
                                            "the Trainer's own flag off")
     notes.update(reshard_note(cfg))
-    if cfg.objective != "lm":
+    if cfg.objective == "grpo":
+        # keyed by the field: the Trainer neither samples completions nor scores them
+        notes["objective"] = ("objective='grpo' has no TrainingArguments key: the Trainer trains the next-token loss "
+                              "on fixed data; the rewards, num_generations and the GRPO loss are not written. Use "
+                              "TRL's GRPOTrainer: nbtrain export --to trl-grpo")
+    elif cfg.objective != "lm":
         # keyed by the field: none of the preference fields is in these arguments
         notes["objective"] = (f"objective={cfg.objective!r} has no TrainingArguments key: the Trainer trains the "
                               "next-token loss; pref_beta, simpo_gamma and precompute_ref are not written. Use TRL's "
