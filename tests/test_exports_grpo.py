@@ -171,8 +171,8 @@ def test_trl_grpo_refuses_other_objectives(objective, way_out):
 
 
 @pytest.mark.parametrize("to, says", [("trl-sft", "SFTConfig"), ("trl-dpo", "DPOConfig"),
-                                      ("llamafactory", "LLaMA-Factory has no GRPO"),
-                                      ("autotrain", "AutoTrain has no GRPO")])
+                                      ("llamafactory", "LLaMA-Factory, which has no GRPO"),
+                                      ("autotrain", "AutoTrain, which has no GRPO")])
 def test_exports_without_grpo_refuse_it(tmp_path, to, says):
     cfg = _grpo()
     dest = tmp_path / "out" / "cfg.yaml"

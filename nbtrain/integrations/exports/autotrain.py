@@ -138,9 +138,9 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
     llm = cfg.task == "causal-lm"
     image = cfg.task == "image-classification"
     if cfg.objective == "grpo":
-        raise ConfigError("objective: AutoTrain has no GRPO (its LLM tasks are llm, llm-sft, llm-reward, llm-dpo "
-                          "and llm-orpo; none samples completions and scores them with reward functions); export it "
-                          "with --to trl-grpo (TRL's GRPOConfig)", field="objective")
+        raise ConfigError("objective: 'grpo' does not export to AutoTrain, which has no GRPO (its LLM tasks are "
+                          "llm, llm-sft, llm-reward, llm-dpo and llm-orpo; none samples completions and scores them "
+                          "with reward functions); export it with --to trl-grpo (TRL's GRPOConfig)", field="objective")
     if cfg.objective == "simpo":
         raise ConfigError("objective: AutoTrain has no SimPO (its preference tasks are llm-dpo and llm-orpo, a "
                           "different loss); export it with --to llamafactory (stage dpo, pref_loss simpo) or --to "

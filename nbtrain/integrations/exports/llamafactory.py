@@ -121,9 +121,9 @@ _LF_PREF_WHY = {
 def _refuse_grpo(cfg: TrainConfig) -> None:
     # stage ppo trains against a reward model; writing sft or dpo instead would train another loss
     if cfg.objective == "grpo":
-        raise ConfigError("objective: LLaMA-Factory has no GRPO (its stages are pt, sft, rm, ppo, dpo, kto; ppo "
-                          "scores with a reward model, not reward functions); export it with --to trl-grpo (TRL's "
-                          "GRPOConfig)", field="objective")
+        raise ConfigError("objective: 'grpo' does not export to LLaMA-Factory, which has no GRPO (its stages are "
+                          "pt, sft, rm, ppo, dpo, kto; ppo scores with a reward model, not reward functions); export "
+                          "it with --to trl-grpo (TRL's GRPOConfig)", field="objective")
 
 
 def llamafactory_config(cfg: TrainConfig, dataset_dir: Optional[str] = None) -> tuple[dict[str, Any], dict[str, str]]:
