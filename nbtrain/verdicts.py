@@ -230,7 +230,7 @@ def speed(timings: Sequence[float], reference_timings: Sequence[float],
 
 # The per-step quantities of a preference objective (dpo, orpo, simpo) a variant is judged on beside its loss, each
 # against the reference's seed band of that column, as the loss is; objective="lm" records have none.
-REWARD_COLUMNS = ("reward_margin", "reward_accuracy")
+REWARD_COLUMNS = ("reward_margin", "reward_accuracy", "reward_mean")   # reward_mean: GRPO's total reward
 
 
 @dataclass
@@ -608,6 +608,74 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
     if v.stopped_reason not in (None, "max_steps", "epochs"):
         v.parts.append(f"ended: {v.stopped_reason}")
     return v
+
+
+@dataclass
+class MismatchJudgement:
+    """A GRPO variant's sampler/trainer mismatch (mean |delta log p| per completion token) against another
+    variant's: its run mean, its band over the rollout batches (the spread of the per-step values: each step draws
+    new prompts and completions, so this is the sampling noise of the figure), the ratio, and whether the two bands
+    are apart."""
+
+    variant: str
+    mean: float
+    low: float
+    high: float
+    batches: int
+    partner: Optional[str] = None
+    ratio: Optional[float] = None
+    beyond_noise: Optional[bool] = None
+    text: str = ""
+
+
+def nats(v: float) -> str:
+    """A log-prob figure in nats: 3 significant digits, scientific below 0.001 (fp32's 2e-06 is not 0)."""
+    if v == 0:
+        return "0"
+    return f"{v:.3g}" if abs(v) >= 1e-3 else f"{v:.1e}"
+
+
+def _mismatch_values(history: Any, extra: Sequence[Any] = (), iterations: int = 1) -> list[float]:
+    out = []
+    for h in (history, *extra):
+        if has_values(h, "mismatch_mean"):
+            # a rollout batch trained on for several steps reports its mismatch on each: count it once
+            first = (pd.to_numeric(h["step"], errors="coerce") - 1) % max(1, iterations) == 0
+            col = pd.to_numeric(h["mismatch_mean"], errors="coerce")[first].dropna()
+            out.extend(float(v) for v in col)
+    return [v for v in out if math.isfinite(v)]
+
+
+def mismatch_judgements(histories: Mapping[str, Any], reference: str, means: Mapping[str, Optional[float]] = None,
+                        seed_histories: Sequence[Any] = (),
+                        iterations: Mapping[str, int] = None) -> dict[str, MismatchJudgement]:
+    """Each GRPO variant's mismatch, held against fp16's when a variant is called "fp16" (the precision the
+    mismatch is smallest in short of fp32), else against the reference's; ``means``: the runs' token-weighted means
+    (summary.mismatch_mean), ``seed_histories``: the reference's seed runs, whose batches join its band;
+    ``iterations``: each run's grpo_iterations (steps per rollout batch)."""
+    vals = {n: _mismatch_values(h, seed_histories if n == reference else (), (iterations or {}).get(n, 1))
+            for n, h in histories.items()}
+    vals = {n: v for n, v in vals.items() if v}
+    out: dict[str, MismatchJudgement] = {}
+    for n, v in vals.items():
+        mean = (means or {}).get(n)
+        mean = float(mean) if mean is not None and math.isfinite(mean) else statistics.fmean(v)
+        out[n] = MismatchJudgement(n, mean, min(v), max(v), len(v))
+    for n, j in out.items():
+        partner = "fp16" if "fp16" in out and n != "fp16" else (reference if reference in out and n != reference
+                                                                  else None)
+        words = (f"sampler/trainer mismatch {nats(j.mean)} nats per token ({nats(j.low)}-{nats(j.high)} over "
+                 f"{j.batches} rollout batch{'es' if j.batches != 1 else ''})")
+        if partner is not None:
+            p = out[partner]
+            j.partner = partner
+            j.ratio = j.mean / p.mean if p.mean > 0 else math.inf
+            j.beyond_noise = j.low > p.high or j.high < p.low
+            times = f"{j.ratio:.2g}x" if j.ratio < 10 else f"{j.ratio:,.0f}x"
+            words += (f", {times} {partner}'s, " + ("beyond" if j.beyond_noise else "within") +
+                      " their batch-to-batch spread")
+        j.text = words
+    return out
 
 
 def not_run_verdict(name: str, reference: str, why: str) -> Verdict:

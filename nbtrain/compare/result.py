@@ -389,6 +389,12 @@ class ComparisonResult(ComparisonViews):
         #: the reference's seed noise of each of those columns (verdicts.SeedBand), as ``band`` is the loss's:
         #: what a variant's reward margin and accuracy are judged against; empty without seed runs or rewards
         self.reward_bands = self._column_bands(ref, whole, self.reward_differences)
+        #: GRPO: variant -> verdicts.MismatchJudgement, its sampler/trainer mismatch against fp16's (or the
+        #: reference's) with their batch-to-batch spreads; empty for the other objectives
+        self.mismatch = _verdicts.mismatch_judgements(
+            histories, reference, {n: r.summary.get("mismatch_mean") for n, r in self.results.items()},
+            [h for h in whole.values()],
+            {n: r.config.grpo_iterations for n, r in self.results.items() if r is not None}) if ref is not None else {}
         #: variant -> verdicts.Verdict, the one-line answer (``.text``), every number from the runs above
         self.verdicts = {o.name: self._verdict(o) for o in outcomes}
 
@@ -428,6 +434,8 @@ class ComparisonResult(ComparisonViews):
             scaler=scaler, initial_scale=_initial_scale(res.history) if scaler else None,
             seed_wall_s=self.seed_wall_s, aa_timings=self.aa_timings, eval_bands=self.eval_bands,
             reward_bands=self.reward_bands, lost_updates_text=lost_updates_of(res))
+        if o.name in self.mismatch:   # GRPO: the precision question, said right after the speed
+            v.parts.insert(1 if v.speed is not None or v.parts else 0, self.mismatch[o.name].text)
         if o.fair is False:
             v.parts.append(f"NOT FAIR: not paired with {self.reference} (see its notes)")
         return v
