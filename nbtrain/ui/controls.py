@@ -17,7 +17,7 @@ import re
 import ipywidgets as widgets
 import traitlets
 
-from ..config import OBJECTIVES, OPTIMIZERS, TRACKERS, TrainConfig
+from ..config import OBJECTIVES, OPTIMIZERS, TRACKERS, TrainConfig, reward_kind, reward_reference
 from ..hardware import PRECISIONS
 
 # Sized for JupyterLab's 13 px widget font (about 7 px a character): every description fits its 170 px
@@ -349,15 +349,98 @@ def _with_widget(codec: Codec, make: Callable[[], widgets.Widget]) -> Codec:
 
 
 _NONFINITE_DEFAULT = "default"
+GRPO_LOSS_TIP = ("how the token losses are averaged (TRL's loss_type) · dapo: over all the step's completion tokens · "
+                 "grpo: per completion, then over completions (short ones weigh more per token) · dr_grpo: over "
+                 "completions x max_new_tokens (no length bias)")
 
 
-OBJECTIVE_LABELS = {"lm": "LM", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}
+OBJECTIVE_LABELS = {"lm": "LM", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO", "grpo": "GRPO"}
 # the beta box's label: pref_beta is DPO's and SimPO's beta, ORPO's lambda (LLaMA-Factory's pref_beta)
 BETA_LABEL = "Beta β"
 ORPO_LAMBDA_LABEL = "Lambda λ (ORPO)"
 
 OPTIMIZER_LABELS = {"adamw": "AdamW", "adamw_8bit": "AdamW 8-bit", "paged_adamw_8bit": "paged AdamW 8-bit",
                     "adafactor": "Adafactor", "sgd": "SGD"}
+
+
+# -- GRPO's rewards ----------------------------------------------------------------------------------------
+# what the reward box offers: each built-in kind once, with an example argument
+REWARD_EXAMPLES = ["length:32", "format:^[0-9]+$", "exact", "contains"]
+# Several rewards are summed (reward_weights: weighted), so they are written as a sum. A comma would be the form's
+# usual list separator, but a regex holds commas ({1,3}); a list of names that all read as rewards is taken too.
+REWARD_JOIN = " + "
+SAMPLER_AS_TRAINING = ""   # the sampler-precision choice that stands for None: the training precision
+
+
+def _is_reward_name(text: str) -> bool:
+    try:
+        reward_kind(text)
+    except ValueError:
+        return False
+    return True
+
+
+def split_rewards(text: str) -> list[str]:
+    """The reward names in a box's text: ``length:32 + exact`` (or ``length:32, exact`` when every piece reads as a
+    reward name) -> ``["length:32", "exact"]``; a JSON list of strings as it is; blank -> []."""
+    text = str(text).strip()
+    if text.startswith("["):
+        v = _json_as(text, list)
+        if v is not None:
+            return v
+    if not text:
+        return []
+    parts = [t.strip() for t in re.split(r"\s\+\s", text) if t.strip()]
+    if len(parts) == 1 and "," in text:
+        pieces = [t.strip() for t in text.split(",") if t.strip()]
+        if len(pieces) > 1 and all(_is_reward_name(t) for t in pieces):
+            return pieces
+    return parts
+
+
+def reward_codec() -> Codec:
+    """The reward box: names joined by " + " (:func:`split_rewards`), blank = None. A Python function (a config made
+    in code) is shown by its 'module:function' name and read back as the same function, so the round trip stays
+    exact; one that cannot be imported stays a function while its name is in the box."""
+    functions: dict[str, Any] = {}
+
+    def name_of(r) -> str:
+        if isinstance(r, str):
+            return r
+        text = reward_reference(r)
+        functions[text] = r
+        return text
+
+    def decode(text: str):
+        names = split_rewards(text)
+        return [functions.get(n, n) for n in names] or None
+
+    def encode(v) -> str:
+        if v is None:
+            return ""
+        names = [name_of(r) for r in (v if isinstance(v, (list, tuple)) else [v])]
+        text = REWARD_JOIN.join(names)
+        return text if split_rewards(text) == names else json.dumps(names, ensure_ascii=False)
+
+    def make() -> widgets.Widget:
+        return widgets.Combobox(description="Reward(s)", options=REWARD_EXAMPLES, ensure_option=False,
+                                placeholder="length:32 · format:REGEX · exact · contains", style=_style(),
+                                layout=_layout(WIDE_CONTROL_WIDTH), continuous_update=False)
+
+    return Codec(make, encode, decode)
+
+
+def decode_weights(text: str) -> Optional[list]:
+    """``"1, 0.5"`` -> ``[1.0, 0.5]``; blank -> None (1 each)."""
+    text = str(text).strip()
+    if _is_none_text(text):
+        return None
+    items = [t.strip() for t in text.strip("[]").split(",") if t.strip()]
+    try:
+        return [float(t) for t in items]
+    except ValueError:
+        raise ValueError(f"must be numbers separated by commas, one per reward (e.g. 1, 0.5), or blank for 1 each; "
+                         f"{_got(text)}") from None
 
 
 def make_codecs(model_options: list[str], data_options: list[str], precision_disabled: dict,
@@ -425,7 +508,8 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
                                                        ("alpaca", "alpaca"), ("sharegpt", "sharegpt"),
                                                        ("messages", "messages"),
                                                        ("prompt-completion", "prompt-completion"),
-                                                       ("preference pairs", "preference")])),
+                                                       ("preference pairs", "preference"),
+                                                       ("prompts only (GRPO)", "prompt")])),
         "dataset_entry": _with_widget(_optional_str("the folder's only entry"),
                                       _text("Dataset entry", "blank: its only entry")),
         "chat_template": Codec(_combo("Chat template", ["auto", "chatml", "llama3", "alpaca"],
@@ -445,6 +529,28 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
         "pref_beta": _float("pref_beta", BETA_LABEL, "0.1"),
         "simpo_gamma": _float("simpo_gamma", "Gamma γ (SimPO)", "0.5"),
         "precompute_ref": Codec(_check("Precompute reference")),
+        "reward": reward_codec(),
+        "reward_weights": Codec(_text("Reward weights", "blank: 1 each · 1, 0.5"),
+                                lambda v: "" if v is None else ", ".join(repr(float(w)) for w in v), decode_weights),
+        "num_generations": _int("num_generations", "Generations / prompt"),
+        "temperature": _float("temperature", "Temperature", "1.0"),
+        "top_p": _float("top_p", "Top-p", "0.95"),
+        "grpo_epsilon": _float("grpo_epsilon", "Clip range ε", "0.2"),
+        "grpo_beta": _float("grpo_beta", "KL weight β (GRPO)", "0.04"),
+        "grpo_loss": Codec(_dropdown("Loss averaging", [("dapo: all tokens", "dapo"),
+                                                        ("grpo: per completion", "grpo"),
+                                                        ("dr_grpo: fixed length", "dr_grpo")], GRPO_LOSS_TIP)),
+        "grpo_iterations": _int("grpo_iterations", "Steps per rollout"),
+        "sampler_precision": Codec(lambda: Choice((SAMPLER_AS_TRAINING, *PRECISIONS),
+                                                  labels={SAMPLER_AS_TRAINING: "as training"},
+                                                  description="Sampler precision", disabled=precision_disabled,
+                                                  tooltips={SAMPLER_AS_TRAINING: "sample in the training precision",
+                                                            **precision_tips}),
+                                   lambda v: SAMPLER_AS_TRAINING if v is None else v,
+                                   lambda x: None if x == SAMPLER_AS_TRAINING else x),
+        "is_correction": Codec(_dropdown("Mismatch correction", [("none", "none"),
+                                                                 ("token_truncate (TIS)", "token_truncate")])),
+        "is_cap": _float("is_cap", "IS weight cap", "2"),
         "sharding": Codec(_dropdown("Sharding", [("none (DDP)", "none"), ("fsdp (FSDP2)", "fsdp")],
                                     SHARDING_TIP)),
         "reshard_after_forward": Codec(_check("Reshard after forward")),

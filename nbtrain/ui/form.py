@@ -16,10 +16,10 @@ from typing import Callable, Optional
 
 import ipywidgets as widgets
 
-from ..config import OPTIMIZERS, ConfigError, TrainConfig
+from ..config import OPTIMIZERS, ConfigError, TrainConfig, reward_kind
 from ..hardware import PRECISIONS
 from . import render
-from .controls import (BETA_LABEL, ORPO_LAMBDA_LABEL, Choice, Codec, make_codecs, processes_control,
+from .controls import (BETA_LABEL, ORPO_LAMBDA_LABEL, REWARD_JOIN, Choice, Codec, make_codecs, processes_control,
                        yaml_codec)
 
 
@@ -73,6 +73,9 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Method": ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits",
                "gradient_checkpointing", "lean_layers"),
     "Objective": ("objective", "pref_beta", "simpo_gamma", "precompute_ref"),
+    # objective grpo's own settings: a tab of their own (a dozen fields), shown while GRPO is the objective
+    "GRPO": ("reward", "reward_weights", "num_generations", "temperature", "top_p", "grpo_beta", "grpo_loss",
+             "grpo_epsilon", "grpo_iterations", "sampler_precision", "is_correction", "is_cap"),
     # under the panel's own "Processes" box (not a TrainConfig field), which comes first on this tab
     "Processes": ("sharding", "reshard_after_forward"),
     "Training": ("lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
@@ -114,7 +117,19 @@ OBJECTIVE_HINTS: dict[str, str] = {
             "reference model",
     "simpo": "SimPO: the length-normalised log-prob margin of chosen over rejected, beta-scaled, minus gamma; no "
              "reference model",
+    "grpo": "GRPO (online RL): sample a group of completions per prompt, score them with the rewards, and raise "
+            "the ones that beat their group's mean (settings on the GRPO tab)",
 }
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo")
+# the builtin of prompts (with their answers, for the exact / contains rewards) that objective grpo trains on
+PROMPT_BUILTIN = "builtin:prompts"
+# GRPO's fields that TrainConfig refuses under another objective: shown there while they hold a value, to clear it
+_GRPO_ONLY_VALUES = ("reward", "reward_weights")
+ANSWER_LABEL_GRPO = "Completion (tokens)"   # max_new_tokens under grpo: each sampled completion's cap
+_REWARD_WORDS = {"length": "closeness to {} completion tokens", "format": "1 where the completion matches {}",
+                 "exact": "1 where the completion equals the data's answer",
+                 "contains": "1 where the completion contains the data's answer",
+                 "import": "{}, imported when the run starts"}
 # the builtin with preference pairs the panel offers when a preference objective meets a builtin without them
 PREF_BUILTIN = "builtin:python-docs-pref"
 
@@ -127,7 +142,8 @@ BLANK_TAKES = {
 # A model is a directory (or a preset, or a Hub id): a value ending like one of its files is a mistyped path.
 _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
-_MACHINE_FIELDS = ("precision", "method", "optimizer")   # what capabilities() can rule out on this machine
+# what capabilities() can rule out on this machine
+_MACHINE_FIELDS = ("precision", "method", "optimizer", "sampler_precision")
 
 
 def rounding_unavailable(precision: str, optimizer: str) -> str:
@@ -168,7 +184,7 @@ def missing_pairs(objective: str, data: str) -> str:
     """Why ``data`` cannot feed ``objective`` ("" when it can, or when it cannot be said cheaply): a builtin
     without preference pairs (prompt, chosen, rejected) under dpo/orpo/simpo."""
     name = str(data or "").strip()
-    if objective == "lm" or not name.startswith("builtin:"):
+    if objective not in PREFERENCE_OBJECTIVES or not name.startswith("builtin:"):
         return ""
     try:
         cols = set(_builtin_columns(name[len("builtin:"):]))
@@ -178,6 +194,53 @@ def missing_pairs(objective: str, data: str) -> str:
         return ""
     return (f"{name} has no preference pairs (prompt, chosen, rejected): objective {objective} needs them; "
             f"use {PREF_BUILTIN}, or set objective lm")
+
+
+def missing_prompts(objective: str, data: str) -> str:
+    """Why ``data`` cannot feed objective grpo ("" when it can, or when it cannot be said cheaply): a builtin
+    whose rows are not prompts alone (no 'prompt' column, or preference pairs)."""
+    name = str(data or "").strip()
+    if objective != "grpo" or not name.startswith("builtin:"):
+        return ""
+    try:
+        cols = set(_builtin_columns(name[len("builtin:"):]))
+    except Exception:   # an unknown builtin: the data line says so already
+        return ""
+    if "prompt" in cols and not {"chosen", "rejected"} & cols:
+        return ""
+    return f"{name} holds no prompts to sample from: objective grpo needs them; use {PROMPT_BUILTIN}"
+
+
+def reward_words(reward) -> str:
+    """What the rewards in the box score, in words ("closeness to 32 completion tokens + 1 where ..."); "" when
+    there are none or one does not read (its error is under the field)."""
+    words = []
+    for r in reward or []:
+        if not isinstance(r, str):
+            words.append(f"{getattr(r, '__name__', 'a function')} (a Python function)")
+            continue
+        try:
+            kind, arg = reward_kind(r)
+        except ValueError:
+            return ""
+        words.append(_REWARD_WORDS[kind].format(arg))
+    return REWARD_JOIN.join(words)
+
+
+def grpo_step_words(micro: int, accum: int, generations: int, beta: float, method: str, sampler) -> str:
+    """A GRPO step in words: how many prompts and completions, what the KL is taken against, what samples."""
+    rows = micro * accum
+    if rows % generations:
+        group = f"{rows} completions a step (micro × accum), not whole groups of {generations}"
+    else:
+        group = f"{rows} completions a step = {rows // generations} prompts × {generations} generations"
+    if not beta:
+        ref = "no reference model (KL weight β 0)"
+    elif method == "full":
+        ref = "KL to the initial model: a frozen copy"
+    else:
+        ref = f"KL to the initial model: the same model with its {method} adapters off"
+    return f"{group} · {ref} · sampled in {sampler or 'the training precision'}"
 
 
 def reshard_unavailable(sharding: str) -> str:
@@ -353,6 +416,8 @@ def data_format_info(raw: dict, codecs: dict) -> tuple[str, str]:
     train_on = _TRAIN_ON_WORDS.get(raw.get("train_on"), render.esc(raw.get("train_on")))
     if fmt == "preference" or fmt.endswith("-ranking"):   # pairs: the objective compares the two answers
         train_on = f"{render.esc(raw.get('objective', 'lm'))} on the chosen vs the rejected answer (prompt masked)"
+    if fmt == "prompt":   # no answers to train on: the model writes its own, and the rewards score them
+        train_on = "grpo: completions sampled from each prompt, scored by the rewards"
     return (f"format: <b>{render.esc(fmt)}</b> ({how}) · chat template: {template} · {train_on}"), render.GREY
 
 
@@ -419,15 +484,30 @@ class Form:
             width="auto", display="none"), tooltip=f"set Data to {PREF_BUILTIN}: the python-docs questions with the "
                                                      "right answer chosen and another topic's answer rejected")
         self.pref_data_button.on_click(lambda _b: self.use_preference_data())
+        # objective grpo: its tab's line (the rewards and a step in words), and one click to the builtin of prompts
+        self.grpo_info = widgets.HTML()
+        self.prompt_data_button = widgets.Button(description=f"Use {PROMPT_BUILTIN}", layout=widgets.Layout(
+            width="auto", display="none"), tooltip=f"set Data to {PROMPT_BUILTIN}: sums of two numbers as chat "
+                                                     "prompts, with their answer for the exact / contains rewards")
+        self.prompt_data_button.on_click(lambda _b: self.use_prompt_data())
+        # what choosing grpo did to Data ("" when nothing), and the data it replaced (put back when grpo is left
+        # while Data still holds the prompts)
+        self.data_moved = ""
+        self._data_before_grpo: Optional[str] = None
+        self._moving_data = False
         # How many processes a Train launches: the panel's own (a launch setting, not part of the config).
         self.processes = processes_control()
         self.processes_info = widgets.HTML()
         self.error = widgets.HTML()
         self.tabs = self._build_tabs()
+        self._answer_label = self.controls["max_new_tokens"].description   # its label off grpo
+        # before the refresh that a change makes: a note of what choosing grpo did to Data is gone by then
+        self.controls["data"].observe(self._data_edited, names="value")
         for w in (*self.controls.values(), self.processes):
             w.observe(self._changed, names="value")
         self.controls["model"].observe(self._follow_preset_lr, names="value")
         self.controls["lr"].observe(self._lr_edited, names="value")
+        self.controls["objective"].observe(self._follow_objective, names="value")
 
     # -- construction ------------------------------------------------------------------------
     def _make_codecs(self) -> dict[str, Codec]:
@@ -467,20 +547,29 @@ class Form:
                             layout=widgets.Layout(align_items="center", flex_flow="row wrap"))
 
     def _build_tabs(self) -> widgets.Tab:
-        extra = {"Model": [self.model_info, self.lr_note], "Data": [self.data_info, self.pref_data_button],
+        # max_new_tokens is the sample answers' length (Training) and, under grpo, the completions' (where sample
+        # prompts are refused): its row moves to the GRPO tab while grpo is the objective (_update_grpo_fields), one
+        # place at a time, so that its error line is never shown twice
+        self.answer_slot = widgets.VBox([self.rows["max_new_tokens"]])
+        self.grpo_length = widgets.VBox([])
+        slots = {"max_new_tokens": self.answer_slot}
+        extra = {"Model": [self.model_info, self.lr_note],
+                 "Data": [self.data_info, self.pref_data_button, self.prompt_data_button],
                  "Precision": [self.precision_info], "Accumulation": [self.accumulation_info],
-                 "Method": [self.method_info], "Objective": [self.objective_info, self.pref_data_button],
-                 "Processes": [self.processes_info]}
+                 "Method": [self.method_info],
+                 "Objective": [self.objective_info, self.pref_data_button, self.prompt_data_button],
+                 "GRPO": [self.grpo_info, self.prompt_data_button], "Processes": [self.processes_info]}
         processes_row = widgets.HBox([self.processes, widgets.HTML(render.small(
             "1: train in this kernel; more: Train launches them (torchrun), one per GPU"))],
             layout=widgets.Layout(align_items="center"))
         before = {"Processes": [processes_row]}
         # an info line right under a field that is not the first of its section
-        after = {"optimizer": [self.optimizer_info]}
+        after = {"optimizer": [self.optimizer_info], "num_generations": [self.grpo_length]}
         placed = {f for fields in SECTIONS.values() for f in fields}
         pages = []
         for section, fields in SECTIONS.items():
-            rows = [*before.get(section, []), *(w for f in fields for w in (self.rows[f], *after.get(f, [])))]
+            rows = [*before.get(section, []),
+                    *(w for f in fields for w in (slots.get(f, self.rows[f]), *after.get(f, [])))]
             if section == "Training":
                 rows += [self.rows[f] for f in self.controls if f not in placed]
             # The info line sits right under the field it explains (the first one of the section).
@@ -504,7 +593,8 @@ class Form:
             raise TypeError(f"Panel.config takes a TrainConfig, got {type(cfg).__name__}")
         self._holding = True   # one refresh after all controls are set, not one per control
         try:
-            for name, value in cfg.to_dict().items():
+            # a reward given as a Python function stays that function (to_dict writes its name)
+            for name, value in {**cfg.to_dict(), "reward": cfg.reward}.items():
                 self.controls[name].value = self.codecs[name].encode(value)
         finally:
             self._holding = False
@@ -624,7 +714,7 @@ class Form:
             line = self.field_errors[name]
             line.value = field_error_html(self.label(name), messages) if messages else ""
             line.layout.display = "" if messages else "none"
-        self.error.value = error_box_html(errors, {f: section_of(f) for f in self.controls}, bad & set(self.controls),
+        self.error.value = error_box_html(errors, {f: self.section(f) for f in self.controls}, bad & set(self.controls),
                                           {f: self.label(f) for f in bad & set(self.controls)})
 
     def label(self, field: str) -> str:
@@ -677,10 +767,16 @@ class Form:
                               if self.lr_moved else "")
         self.lr_note.layout.display = "" if self.lr_moved else "none"
 
+    def section(self, field: str) -> str:
+        """The tab ``field`` is on now: :func:`section_of`, but GRPO for max_new_tokens while grpo is the objective."""
+        if field == "max_new_tokens" and self.grpo_length.children:
+            return "GRPO"
+        return section_of(field)
+
     def select(self, field: Optional[str]) -> None:
         """Show the tab of ``field`` (when it is one)."""
         if field in self.controls:
-            self.tabs.selected_index = list(SECTIONS).index(section_of(field))
+            self.tabs.selected_index = list(SECTIONS).index(self.section(field))
 
     def _update_model_info(self, raw: dict) -> None:
         self._problems.pop("model", None)
@@ -792,13 +888,47 @@ class Form:
         """Set Data to the builtin with preference pairs (what the button under a preference objective does)."""
         self.controls["data"].value = PREF_BUILTIN
 
+    def use_prompt_data(self) -> None:
+        """Set Data to the builtin of prompts (what the button under objective grpo does)."""
+        self.controls["data"].value = PROMPT_BUILTIN
+
+    def _follow_objective(self, change) -> None:
+        # Choosing grpo on a builtin made for another objective moves Data to the builtin of prompts (a user's own
+        # file or dataset id is never changed); leaving grpo while Data still holds them puts the old builtin back.
+        # Said beside the objective, as a model change's lr is.
+        if self._holding:
+            return
+        data = str(self.controls["data"].value or "").strip()
+        target = None
+        if (change["new"] == "grpo" and data.startswith("builtin:") and data != PROMPT_BUILTIN
+                and PROMPT_BUILTIN[len("builtin:"):] in _builtin_names()):
+            self._data_before_grpo, target = data, PROMPT_BUILTIN
+            self.data_moved = f"Data set to {PROMPT_BUILTIN} for GRPO (was {data})"
+        elif change["old"] == "grpo" and self._data_before_grpo and data == PROMPT_BUILTIN:
+            target, self._data_before_grpo = self._data_before_grpo, None
+            self.data_moved = f"Data set back to {target} (GRPO's {PROMPT_BUILTIN} left with it)"
+        if target is None:
+            return
+        self._moving_data = True
+        try:
+            self.controls["data"].value = target   # its own change refreshes the form
+        finally:
+            self._moving_data = False
+
+    def _data_edited(self, _change) -> None:
+        # the user's own data: what choosing grpo did to it no longer holds, and is not undone
+        if not self._moving_data:
+            self.data_moved = ""
+            self._data_before_grpo = None
+
     def _update_objective_fields(self, raw: dict) -> None:
         """beta shows under a preference objective (labelled as ORPO's lambda under orpo), gamma under simpo and
         precompute_ref under dpo (greyed with why under LoRA/QLoRA); a field that holds a value where it does not
         apply stays shown, so that the error the config gives can be fixed there. A preference objective on a
-        builtin without pairs is flagged under the data, with a button that sets the builtin with pairs."""
+        builtin without pairs is flagged under the data, with a button that sets the builtin with pairs; grpo on a
+        builtin without prompts likewise, with a button that sets the builtin of prompts."""
         objective, method = raw["objective"], raw["method"]
-        pref = objective != "lm"
+        pref = objective in PREFERENCE_OBJECTIVES
         self.rows["pref_beta"].layout.display = "" if pref else "none"
         self.controls["pref_beta"].description = ORPO_LAMBDA_LABEL if objective == "orpo" else BETA_LABEL
         self.rows["simpo_gamma"].layout.display = "" if objective == "simpo" else "none"
@@ -817,13 +947,61 @@ class Form:
             text += f" · reference: {render.esc(ref)}"
         lacking = missing_pairs(objective, raw["data"])
         offer = bool(lacking) and PREF_BUILTIN[len("builtin:"):] in _builtin_names()
-        if lacking:
-            text += f"<br><span style='color:{render.RED}'>⚠ {render.esc(lacking)}</span>"
+        no_prompts = missing_prompts(objective, raw["data"])
+        offer_prompts = bool(no_prompts) and PROMPT_BUILTIN[len("builtin:"):] in _builtin_names()
+        for why in filter(None, (lacking, no_prompts)):
+            text += f"<br><span style='color:{render.RED}'>⚠ {render.esc(why)}</span>"
             if "data" not in self._problems:   # a run would refuse the data: Train says so before starting
-                self._problems["data"] = lacking
-                self.data_info.value += "<br>" + render.small(render.esc(lacking), render.RED)
+                self._problems["data"] = why
+                self.data_info.value += "<br>" + render.small(render.esc(why), render.RED)
+        if self.data_moved:
+            text += f"<br><span style='color:{render.AMBER}'>{render.esc(self.data_moved)}</span>"
         self.objective_info.value = render.small(text)
         self.pref_data_button.layout.display = "" if offer else "none"
+        self.prompt_data_button.layout.display = "" if offer_prompts else "none"
+        self._update_grpo_fields(raw)
+
+    def _update_grpo_fields(self, raw: dict) -> None:
+        """GRPO's tab: its fields while objective is grpo (reward and its weights also where they hold a value
+        TrainConfig refuses off grpo, so that it can be cleared), max_new_tokens labelled as the completions' cap,
+        and a line with the rewards and a step in words, or, under another objective, what the tab is for."""
+        grpo = raw["objective"] == "grpo"
+        for f in SECTIONS["GRPO"]:
+            keep = f in _GRPO_ONLY_VALUES and str(raw[f] or "").strip()
+            self.rows[f].layout.display = "" if grpo or keep else "none"
+        row = self.rows["max_new_tokens"]
+        home, away = (self.grpo_length, self.answer_slot) if grpo else (self.answer_slot, self.grpo_length)
+        if home.children != (row,):
+            away.children = ()
+            home.children = (row,)
+        self.controls["max_new_tokens"].description = ANSWER_LABEL_GRPO if grpo else self._answer_label
+        if not grpo:
+            self.grpo_info.value = render.small(
+                f"These settings apply to objective GRPO (online RL): choose it on the Objective tab (now "
+                f"{render.esc(raw['objective'])}).")
+            return
+        lines = []
+        try:
+            rewards = self.codecs["reward"].decode(raw["reward"])
+        except ValueError:
+            rewards = None
+        said = reward_words(rewards)
+        if said:
+            lines.append(f"reward = {render.esc(said)}")
+        elif not rewards:
+            lines.append(f"reward: type one or more, joined with '{REWARD_JOIN.strip()}' (e.g. length:32 "
+                         f"{REWARD_JOIN.strip()} exact); exact and contains compare with the data's answer column")
+        try:
+            micro, accum, g = (self.codecs[f].decode(raw[f])
+                               for f in ("micro_batch_size", "grad_accum_steps", "num_generations"))
+            beta = self.codecs["grpo_beta"].decode(raw["grpo_beta"])
+            sampler = self.codecs["sampler_precision"].decode(raw["sampler_precision"])
+            lines.append(render.esc(grpo_step_words(micro, accum, g, beta, raw["method"], sampler)))
+        except (ValueError, ZeroDivisionError):
+            pass   # a number that does not read: its own line says why
+        if self.data_moved:
+            lines.append(f"<span style='color:{render.AMBER}'>{render.esc(self.data_moved)}</span>")
+        self.grpo_info.value = render.small("<br>".join(lines))
 
     def _update_processes(self, raw: dict) -> None:
         """The reshard box applies under fsdp only (greyed with why otherwise, its value kept: TrainConfig accepts

@@ -185,6 +185,12 @@ class Panel:
     pref_data_button = property(lambda self: self.form.pref_data_button,
                                 doc="shown when a preference objective meets a builtin without pairs: sets Data "
                                     "to builtin:python-docs-pref")
+    grpo_info = property(lambda self: self.form.grpo_info,
+                         doc="on the GRPO tab: the rewards and a step in words (prompts x generations, the KL's "
+                             "reference, the sampler's precision), or what the tab is for under another objective")
+    prompt_data_button = property(lambda self: self.form.prompt_data_button,
+                                  doc="shown when objective grpo meets a builtin without prompts: sets Data to "
+                                      "builtin:prompts")
     train_button = property(lambda self: self.runner.train_button)
     stop_button = property(lambda self: self.runner.stop_button)
     compare_button = property(lambda self: self.runner.compare_button)

@@ -11,13 +11,13 @@ import importlib
 _WHERE = {
     "LiveDashboard": "dashboard", "detect_mode": "dashboard",
     "static_bundle": "views",
-    "status_line": "text", "summary_text": "text", "notes_html": "text", "notes_text": "text",
+    "status_line": "text", "summary_text": "text", "grpo_text": "text", "notes_html": "text", "notes_text": "text",
     "figure_title": "text", "samples_html": "text", "samples_text": "text",
     "ProgressBar": "progress",
     "Tracker": "tracker",
     **{name: "figures" for name in (
-        "PANELS", "REWARD_PANELS", "add_run_traces", "columns", "compare_figure", "find_trace", "find_traces",
-        "has_rewards", "iter_runs",
+        "PANELS", "REWARD_PANELS", "GRPO_PANELS", "add_run_traces", "columns", "compare_figure", "find_trace",
+        "find_traces", "has_rewards", "has_grpo", "iter_runs",
         "make_run_layout", "run_figure", "runs_figure", "scale_axis", "set_title", "smooth", "trace_specs")},
 }
 

@@ -56,8 +56,9 @@ ENV_VAR = "NBTRAIN_DASHBOARD"
 MODES = ("widget", "html", "text")
 
 _HTML_MIN_INTERVAL = 1.0   # html mode resends the whole figure: at most once a second
-# what a redraw between rebuilds changes in a trace (mode: a line of one point is drawn with its marker)
-_LIVE_PROPS = ("x", "y", "hovertext", "text", "mode")
+# what a redraw between rebuilds changes in a trace (mode: a line of one point is drawn with its marker;
+# customdata: the per-step values a hover shows beside y, as GRPO's reward std and mismatch max)
+_LIVE_PROPS = ("x", "y", "hovertext", "text", "mode", "customdata")
 
 
 def _same(old: Any, new: Any) -> bool:

@@ -235,7 +235,7 @@ def _fill_visible(y: np.ndarray, fallback: float) -> np.ndarray:
     return out[idx]
 
 
-def _flag_text(c: dict[str, np.ndarray], mask: np.ndarray) -> list[str]:
+def _flag_text(c: dict[str, np.ndarray], mask: np.ndarray, grpo: bool = False) -> list[str]:
     texts = []
     for i in np.flatnonzero(mask).tolist():
         parts = [f"step {int(c['step'][i])}"]
@@ -248,6 +248,8 @@ def _flag_text(c: dict[str, np.ndarray], mask: np.ndarray) -> list[str]:
             parts.append(f"grad_norm={gn}")
         if "rewarded" in c and c["rewarded"][i] and not math.isfinite(c["reward_margin"][i]):
             parts.append(f"reward_margin={c['reward_margin'][i]}")
+        if grpo and not math.isfinite(c["reward_mean"][i]):
+            parts.append(f"reward_mean={c['reward_mean'][i]}")
         if math.isfinite(c["scale"][i]):
             parts.append(f"scale now {c['scale'][i]:g}")
         texts.append("<br>".join(parts))
@@ -273,7 +275,10 @@ def _tensors_measured(c: dict[str, np.ndarray]) -> bool:
 
 
 def _loss_unit(infos: Iterable[Any]) -> str:
-    tasks = {getattr(getattr(i, "config", None), "task", None) for i in infos}
+    configs = [getattr(i, "config", None) for i in infos]
+    tasks = {getattr(c, "task", None) for c in configs}
+    if configs and all(getattr(c, "objective", None) == "grpo" for c in configs):
+        return GRPO_LOSS_UNIT
     return "nats/example" if "sequence-classification" in tasks else "nats/token"
 
 
@@ -323,9 +328,11 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
     col = color or _PALETTE[0]
     prefix = f"{name} · " if overlay else ""
     specs: list[dict] = []
+    rewards, grpo = has_rewards(c, info), has_grpo(c, info)
+    cells = run_cells(rewards, grpo)
 
     def add(panel, kind, label, *, legend=True, **kw):
-        row, cell_col = PANEL_CELLS[panel]
+        row, cell_col = cells[panel]
         kw.setdefault("legendgroup", name if overlay else kind)
         if kw.get("mode") == "lines" and _finite_count(kw.get("y")) == 1:
             # plotly draws no line through one point: a run's first point would leave its panel empty
@@ -412,7 +419,6 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
         mem_ref = c["host_rss_gib"]
 
     # reward panels (preference objectives only) ------------------------------------------------
-    rewards = has_rewards(c, info)
     if rewards:
         for kind, label in (("reward_margin", "reward margin"), ("reward_accuracy", "reward accuracy")):
             # As the loss: the recorded values thin, their EMA over them (one pair batch's accuracy is coarse).
@@ -430,6 +436,10 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
                 add("reward_margin", kind, label, x=x, y=c[kind], mode="lines",
                     line=dict(color=_SOLO[kind], width=1, dash="dot"))
 
+    # GRPO panels (objective="grpo" only) ------------------------------------------------------
+    if grpo:
+        _grpo_specs(add, c, x, info, name=name, color=col, overlay=overlay)
+
     # skipped / non-finite markers, in every panel ---------------------------------------------
     nonfinite = c["nonfinite"] | ~np.isfinite(c["loss"]) | ~np.isfinite(c["grad_norm"])
     gn_finite = c["grad_norm"][np.isfinite(c["grad_norm"])]
@@ -441,17 +451,19 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
         "memory": _fill_visible(mem_ref, 0.0),
         "reward_margin": _fill_visible(c["reward_margin"], 0.0),
         "reward_accuracy": _fill_visible(c["reward_accuracy"], 0.0),
+        **{panel: _fill_visible(c[field], 0.0) for panel, field in _GRPO_VALUE.items()},
     }
     for kind, mask, label, style in (("nonfinite", nonfinite, "non-finite", _NONFINITE_STYLE),
                                      ("skipped", c["skipped"], "skipped step", _SKIP_STYLE)):
-        hover = _flag_text(c, mask)
-        for panel in PANELS + (REWARD_PANELS if rewards else ()):
+        hover = _flag_text(c, mask, grpo)
+        for panel in PANELS + (REWARD_PANELS if rewards else ()) + (GRPO_PANELS if grpo else ()):
             extra = {}
-            if kind == "nonfinite" and panel in ("loss", "reward_margin"):
+            if kind == "nonfinite" and panel in ("loss", "reward_margin", "reward"):
                 # The nan/inf value itself, written where it would have been drawn.
+                field = _GRPO_VALUE.get(panel, panel)
                 extra = dict(mode="markers+text", textposition="top center",
                              text=[("nan" if math.isnan(v) else str(v)) if not math.isfinite(v) else ""
-                                   for v in c[panel][mask].tolist()])
+                                   for v in c[field][mask].tolist()])
             marker = dict(style)
             if overlay:
                 marker["color"] = col
@@ -459,6 +471,75 @@ def trace_specs(history: Any, eval_history: Any = None, info: Any = None, *, nam
                 x=x[mask], y=visible[panel][mask], mode=extra.pop("mode", "markers"), marker=marker,
                 hovertext=hover, hoverinfo="text", **extra)
     return specs
+
+
+# the column each GRPO panel's main line draws (where its skipped / non-finite markers sit)
+_GRPO_VALUE = {"reward": "reward_mean", "completion_len": "completion_len_mean", "clip_ratio": "clip_ratio",
+               "mismatch": "mismatch_mean"}
+MISMATCH_UNIT = "nats per token"
+
+
+def _rgba(color: str, alpha: float) -> str:
+    """``#rrggbb`` (or ``rgb(r, g, b)``) as an rgba() string with ``alpha``: a band in its line's colour. Any other
+    spelling (a CSS name) gives a grey band: see-through matters more than the hue under a line of that colour."""
+    try:
+        if color.startswith("#") and len(color) == 7:
+            r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+        else:
+            r, g, b = (int(float(v)) for v in color[color.index("(") + 1:color.index(")")].split(",")[:3])
+    except ValueError:
+        r = g = b = 110
+    return f"rgba({r}, {g}, {b}, {alpha})"
+
+
+def _grpo_specs(add, c: Mapping[str, np.ndarray], x: np.ndarray, info: Any, *, name: str, color: str,
+                overlay: bool) -> None:
+    """The GRPO panels' traces of one run, through ``add`` (trace_specs' own): the step's reward mean over a ±std
+    band, the completions' mean length (and the max_new_tokens cap), the clipped share of tokens, and the mean
+    |delta log p| between sampler and trainer, with the fp32 gaps as markers on the steps that measured them."""
+    def line(kind, width=2.0, **kw):
+        return dict(color=color if overlay else _SOLO[kind], width=width, **kw)
+
+    who = "<extra>" + html.escape(name) + "</extra>"
+    mean, std = c["reward_mean"], c["reward_std"]
+    band = _rgba(color if overlay else _SOLO["reward_mean"], 0.12 if overlay else 0.2)
+    # The band is two edges, the lower filled up to the upper ("tonexty": the trace just before, in this panel).
+    add("reward", "reward_band_high", "reward + std", legend=False, x=x, y=mean + std, mode="lines",
+        line=dict(width=0, color=band), hoverinfo="skip", legendgroup=name if overlay else "reward_band")
+    add("reward", "reward_band_low", "± std over completions", legend=not overlay, x=x, y=mean - std, mode="lines",
+        line=dict(width=0, color=band), fill="tonexty", fillcolor=band, hoverinfo="skip",
+        legendgroup=name if overlay else "reward_band")
+    add("reward", "reward_mean", "reward (mean)", legend=not overlay, x=x, y=mean, mode="lines",
+        line=line("reward_mean"), customdata=np.column_stack([std, c["frac_zero_std"]]),
+        hovertemplate="step %{x}<br>reward %{y:.4g} ± %{customdata[0]:.3g}<br>groups with equal rewards: "
+                      "%{customdata[1]:.0%}" + who)
+
+    add("completion_len", "completion_len_mean", "completion length (mean)", legend=not overlay, x=x,
+        y=c["completion_len_mean"], mode="lines", line=line("completion_len_mean"),
+        hovertemplate="step %{x}<br>%{y:.1f} tokens per completion (mean)" + who)
+    cap = getattr(getattr(info, "config", None), "max_new_tokens", None)
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool):
+        # A completion stops at max_new_tokens: a mean at the cap says they were cut, not that they ended. Drawn
+        # (empty) before the first step too, so that the first step changes data, not the figure's traces.
+        xs = [float(np.nanmin(x)), float(np.nanmax(x))] if len(x) else []
+        add("completion_len", "length_cap", f"max_new_tokens {cap:g}", legend=not overlay, x=xs,
+            y=[float(cap)] * len(xs), mode="lines", line=line("length_cap", 1.0, dash="dash"), hoverinfo="skip")
+
+    add("clip_ratio", "clip_ratio", "clipped tokens", legend=not overlay, x=x, y=c["clip_ratio"], mode="lines",
+        line=line("clip_ratio", 1.5), hovertemplate="step %{x}<br>%{y:.2%} of the tokens clipped" + who)
+
+    add("mismatch", "mismatch_mean", "sampler vs trainer |Δ log p|", legend=not overlay, x=x,
+        y=c["mismatch_mean"], mode="lines", line=line("mismatch_mean", 1.5),
+        customdata=np.column_stack([c["mismatch_max"], c["mismatch_kl"]]),
+        hovertemplate="step %{x}<br>mean |Δ log p| %{y:.3g} " + MISMATCH_UNIT
+                      + "<br>largest %{customdata[0]:.3g} · KL %{customdata[1]:.3g}" + who)
+    for kind, label, symbol in (("sampler_fp32_gap", "sampler vs fp32", "circle-open"),
+                                ("trainer_fp32_gap", "trainer vs fp32", "diamond-open")):
+        # measured on sampled steps only (None between them): markers where they were
+        has = np.isfinite(c[kind])
+        add("mismatch", kind, label, legend=not overlay, x=x[has], y=c[kind][has], mode="markers",
+            marker=dict(symbol=symbol, size=7, color=color if overlay else _SOLO[kind], line=dict(width=1.5)),
+            hovertemplate="step %{x}<br>" + label + ": %{y:.3g} " + MISMATCH_UNIT + who)
 
 
 def _finite_count(y: Any) -> int:
@@ -484,7 +565,7 @@ def add_run_traces(fig: go.Figure, history: Any, eval_history: Any = None, info:
                    rows: Optional[Mapping[str, int]] = None, col: int = 1) -> list[go.Scatter]:
     """Add one run's traces to a figure made by :func:`make_run_layout` (or any subplot grid).
 
-    Without ``rows`` each panel goes to its cell of the run layout (``PANEL_CELLS``); ``rows`` maps panel name to
+    Without ``rows`` each panel goes to its cell of the run layout (:func:`run_cells`); ``rows`` maps panel name to
     a row of column ``col`` of another grid, and a panel missing from it is left out. Returns the traces added.
     """
     added = []
@@ -492,7 +573,7 @@ def add_run_traces(fig: go.Figure, history: Any, eval_history: Any = None, info:
                             smoothing=smoothing, max_grad_norm=max_grad_norm):
         panel = spec["meta"]["panel"]
         if rows is None:
-            where = PANEL_CELLS[panel]
+            where = (spec["row"], spec["col"])   # the run layout's cell (run_cells)
         elif panel in rows:
             where = (rows[panel], col)
         else:
@@ -519,14 +600,33 @@ DIFF_HEIGHT = 150
 REWARD_HEIGHT = 230   # the reward row: as tall as each row of the 2 x 2 grid
 
 
-def diff_row(rewards: bool = False) -> int:
-    """The difference panel's row in a run figure: under the reward row when there is one."""
-    return DIFF_ROW + 1 if rewards else DIFF_ROW
+def diff_row(rewards: bool = False, grpo: bool = False) -> int:
+    """The difference panel's row in a run figure: under the reward row and the GRPO rows when there are any."""
+    return DIFF_ROW + (1 if rewards else 0) + (2 if grpo else 0)
 
 
 REWARD_TITLES = {"reward_margin": "reward margin (chosen − rejected)",
                  "reward_accuracy": "reward accuracy (chosen > rejected)"}
 ACCURACY_AXIS = dict(range=[-0.05, 1.05], tickformat=".0%", tickvals=[0, 0.25, 0.5, 0.75, 1])
+# short enough for a half-width panel, as the others
+GRPO_TITLES = {"reward": "reward: mean ± std over completions", "completion_len": "completion length (mean)",
+               "clip_ratio": "clipped tokens (ratio outside 1 ± ε)",
+               "mismatch": "sampler vs trainer log-prob mismatch"}
+GRPO_AXIS_TITLES = {"reward": "reward per completion", "completion_len": "tokens per completion",
+                    "clip_ratio": "share of tokens", "mismatch": f"|Δ log p| ({MISMATCH_UNIT})"}
+# Shares: a clip ratio of a few per cent must not read as 0% (".0%"), nor 50% as "50.00%"
+SHARE_AXIS = dict(tickformat=".2~%", rangemode="tozero")
+GRPO_LOSS_UNIT = "policy, per token"   # GRPO's loss is a clipped surrogate of advantages, not a log-likelihood
+
+
+def _grpo_axes(fig: go.Figure, cells: Mapping[str, tuple[int, int]]) -> None:
+    """The GRPO panels' y axes: titles with their units, shares as per cent, counts and gaps from zero."""
+    _axis_titles(fig, {cells[p]: GRPO_AXIS_TITLES[p] for p in GRPO_PANELS})
+    fig.update_yaxes(row=cells["clip_ratio"][0], col=cells["clip_ratio"][1], **SHARE_AXIS)
+    for p in ("completion_len", "mismatch"):
+        fig.update_yaxes(rangemode="tozero", row=cells[p][0], col=cells[p][1])
+    # an fp32 run's mismatch is ~1e-7: plotly's SI ticks ("110n") read as a unit, powers of ten do not
+    fig.update_yaxes(exponentformat="power", row=cells["mismatch"][0], col=cells["mismatch"][1])
 # Height of the 2 x 2 grid: with the Panel's status line above it, it fits the output area of a 1440 x 900
 # JupyterLab window (about 780 px of notebook), and so does the grid with its difference row.
 RUN_HEIGHT = 500
@@ -534,11 +634,12 @@ RUN_HEIGHT = 500
 
 def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEIGHT,
                     loss_unit: str = "nats/token", difference: Optional[str] = None,
-                    rewards: bool = False) -> go.Figure:
+                    rewards: bool = False, grpo: bool = False) -> go.Figure:
     """An empty 4-panel figure (loss and grad norm, then loss scale and memory, in a 2 x 2 grid) sharing the step
     axis, each y axis titled with its unit; with ``rewards`` (a preference objective) a row under them holds the
-    reward margin and the reward accuracy; with ``difference`` (a reference run's name) a panel below them, both
-    columns wide, holds each run's loss minus that run's, per step."""
+    reward margin and the reward accuracy; with ``grpo`` two rows under those hold GRPO's reward and completion
+    length, then its clipped share and sampler/trainer mismatch (:func:`run_cells`); with ``difference`` (a
+    reference run's name) a panel below them, both columns wide, holds each run's loss minus that run's, per step."""
     # short enough for a half-width panel: two titles side by side must not run into each other
     titles = ["loss", "grad norm (unscaled, before clipping)", SCALE_TITLE, memory_title]
     specs = [[{}, {}], [{}, {}]]
@@ -548,6 +649,11 @@ def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEI
         specs.append([{}, {}])
         heights.append(1.0)
         height += REWARD_HEIGHT
+    if grpo:
+        titles += [GRPO_TITLES[p] for p in GRPO_PANELS]   # row by row, as run_cells places them
+        specs += [[{}, {}], [{}, {}]]
+        heights += [1.0, 1.0]
+        height += 2 * REWARD_HEIGHT
     if difference is not None:
         titles.append(_diff_title(difference, None))
         specs.append([{"colspan": 2}, None])
@@ -566,11 +672,14 @@ def make_run_layout(*, memory_title: str = "memory (GiB)", height: int = RUN_HEI
     if rewards:
         fig.update_yaxes(row=PANEL_CELLS["reward_accuracy"][0], col=PANEL_CELLS["reward_accuracy"][1],
                          **ACCURACY_AXIS)
+    if grpo:
+        _grpo_axes(fig, run_cells(rewards, grpo))
+    diff_unit = " (nats)" if loss_unit.startswith("nats") else ""
     _axis_titles(fig, {PANEL_CELLS["loss"]: f"loss ({loss_unit})", PANEL_CELLS["grad_norm"]: "grad norm (L2)",
                        PANEL_CELLS["scale"]: "loss scale", PANEL_CELLS["memory"]: "memory (GiB)",
                        **({PANEL_CELLS["reward_margin"]: "margin", PANEL_CELLS["reward_accuracy"]: "accuracy"}
                           if rewards else {}),
-                       **({(diff_row(rewards), 1): "Δ loss (nats)"} if difference else {})})
+                       **({(diff_row(rewards, grpo), 1): f"Δ loss{diff_unit}"} if difference else {})})
     # every panel shows its step ticks (a shared axis shows them on the bottom row only otherwise); the bottom
     # row names the axis
     fig.update_xaxes(showticklabels=True)
@@ -642,7 +751,8 @@ def _no_scaler_note(fig: go.Figure, runs: Mapping[str, tuple], row: int, col: in
 
 def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optional[str] = None,
                 colors: Optional[Mapping[str, str]] = None) -> go.Figure:
-    """Several runs overlaid in the 4 panels (6 when a run has rewards: :func:`has_rewards`), one colour per run.
+    """Several runs overlaid in the 4 panels (6 when a run has rewards: :func:`has_rewards`; 4 more when a run is
+    GRPO's: :func:`has_grpo`), one colour per run.
 
     ``runs`` maps a name to a history, or to a dict/tuple ``(history, eval_history, info)``. One run
     is drawn in full detail (allocated/reserved/peak memory, per-quantity colours).
@@ -659,16 +769,20 @@ def runs_figure(runs: Mapping[str, Any], *, smoothing: float = 0.9, title: Optio
     overlay = len(norm) > 1
     reference = next(iter(norm)) if overlay else None
     rewards = any(has_rewards(c, i) for c, _, i in norm.values())
+    grpo = any(has_grpo(c, i) for c, _, i in norm.values())
     fig = make_run_layout(memory_title=_memory_title(norm), loss_unit=_loss_unit(i for _, _, i in norm.values()),
-                          difference=reference, rewards=rewards)
+                          difference=reference, rewards=rewards, grpo=grpo)
+    # the figure's cells: a GRPO run overlaid with a preference run has its panels under the reward row
+    cells = run_cells(rewards, grpo)
     palette = {}
     for k, (name, (c, e, i)) in enumerate(norm.items()):
         palette[name] = (colors or {}).get(name) or _PALETTE[k % len(_PALETTE)]
         for spec in trace_specs(c, e, i, name=name, color=palette[name], overlay=overlay, smoothing=smoothing):
-            fig.add_trace(_spec_trace(spec), row=spec["row"], col=spec["col"])
+            row, col = cells[spec["meta"]["panel"]]
+            fig.add_trace(_spec_trace(spec), row=row, col=col)
     if overlay:   # last, so that the runs' own traces keep the order trace_specs gives them (live updates)
         for tr in live_difference_traces(norm, palette):
-            fig.add_trace(tr, row=diff_row(rewards), col=1)
+            fig.add_trace(tr, row=diff_row(rewards, grpo), col=1)
     fig.update_yaxes(row=PANEL_CELLS["scale"][0], col=PANEL_CELLS["scale"][1], **runs_scale_axis(norm))
     _no_scaler_note(fig, norm, *PANEL_CELLS["scale"])
     return set_title(fig, title)
@@ -689,9 +803,19 @@ def _summary_value(summary: Optional[Mapping], key: str) -> float:
 
 
 # Where each panel goes in the comparison's 5 x 2 grid (row, col); a preference comparison's reward panels in two
-# more rows under it.
+# more rows under it, a GRPO comparison's four panels in four more (compare_grid).
 _COMPARE_GRID = {"loss": (1, 1), "loss_diff": (2, 1), "grad_norm": (3, 1), "scale": (4, 1), "memory": (5, 1),
                  "throughput": (1, 2), "peak_memory": (3, 2), "reward_margin": (6, 1), "reward_accuracy": (7, 1)}
+
+
+def compare_grid(rewards: bool = False, grpo: bool = False) -> dict[str, tuple[int, int]]:
+    """Each panel's (row, col) in :func:`compare_figure` with these optional rows: the GRPO panels one a row, in
+    the left column, after the last row above them."""
+    grid = dict(_COMPARE_GRID)
+    if grpo:
+        first = 6 + (len(REWARD_PANELS) if rewards else 0)
+        grid.update({p: (first + k, 1) for k, p in enumerate(GRPO_PANELS)})
+    return grid
 COMPARE_HEIGHT = 1050   # five rows; a preference comparison's two reward rows add COMPARE_REWARD_HEIGHT each
 COMPARE_REWARD_HEIGHT = 190
 
@@ -819,7 +943,9 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
     """Variants overlaid: loss, each variant's exact per-step loss difference to ``reference`` (eval
     differences as markers) over the seed-noise ``band`` (:func:`difference_traces`), grad norm, loss scale
     and memory over the steps, and, for a preference objective (:func:`has_rewards`), the reward margin and the
-    reward accuracy, with bars of throughput and peak memory (the figure of ``ComparisonResult.figure()``).
+    reward accuracy, for GRPO (:func:`has_grpo`) the reward, completion length, clipped share and sampler/trainer
+    mismatch, one row each (:func:`compare_grid`), with bars of throughput and peak memory (the figure of
+    ``ComparisonResult.figure()``).
     ``throughput_range`` (name -> (lowest, highest) tokens/s over repeats) draws each bar's range as an error bar.
 
     ``summaries`` (name -> ``result.summary``) supply ``tokens_per_s`` and ``peak_vram_gib`` (on CPU
@@ -853,8 +979,11 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
     else:
         peak_key, peak_col, peak_label = "peak_host_rss_gib", "host_rss_gib", "peak host RSS (GiB)"
     rewards = any(has_rewards(c, i) for c, _, i in runs.values())
-    rows = 7 if rewards else 5
-    height = COMPARE_HEIGHT + (2 * COMPARE_REWARD_HEIGHT if rewards else 0)
+    grpo = any(has_grpo(c, i) for c, _, i in runs.values())
+    grid = compare_grid(rewards, grpo)
+    extra = (REWARD_PANELS if rewards else ()) + (GRPO_PANELS if grpo else ())
+    rows = 5 + len(extra)
+    height = COMPARE_HEIGHT + len(extra) * COMPARE_REWARD_HEIGHT
     fig = make_subplots(
         rows=rows, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1,
         vertical_spacing=0.06 * COMPARE_HEIGHT / height,   # the same gap in pixels, however many rows
@@ -862,7 +991,7 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
         + [[{}, None]] * (rows - 5),
         subplot_titles=("loss", "throughput (tokens/s)", _diff_title(ref, band), "gradient norm (unscaled)",
                         peak_label, SCALE_TITLE, _memory_title(runs))
-        + tuple(REWARD_TITLES[p] for p in REWARD_PANELS if rewards))
+        + tuple({**REWARD_TITLES, **GRPO_TITLES}[p] for p in extra))
     palette = {name: _PALETTE[k % len(_PALETTE)] for k, name in enumerate(runs)}
     for tr in difference_traces({n: c for n, (c, _, _) in runs.items()}, ref,
                                 {n: ev for n, (_, ev, _) in runs.items()}, band, palette):
@@ -871,7 +1000,7 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
     for k, (name, (c, ev, info)) in enumerate(runs.items()):
         color = _PALETTE[k % len(_PALETTE)]
         for spec in trace_specs(c, ev, info, name=name, color=color, overlay=True, smoothing=smoothing):
-            row, col = _COMPARE_GRID[spec["meta"]["panel"]]
+            row, col = grid[spec["meta"]["panel"]]
             fig.add_trace(_spec_trace(spec), row=row, col=col)
         s = (summaries or {}).get(name)
         t = _summary_value(s, "tokens_per_s")
@@ -907,12 +1036,15 @@ def compare_figure(histories: Mapping[str, Any], reference: Optional[str] = None
     fig.update_yaxes(type="log", row=3, col=1)
     fig.update_yaxes(row=4, col=1, **runs_scale_axis(runs))
     if rewards:
-        fig.update_yaxes(row=_COMPARE_GRID["reward_accuracy"][0], col=1, **ACCURACY_AXIS)
+        fig.update_yaxes(row=grid["reward_accuracy"][0], col=1, **ACCURACY_AXIS)
+    if grpo:
+        _grpo_axes(fig, grid)
     unit = _loss_unit(i for _, _, i in runs.values())
-    _axis_titles(fig, {(1, 1): f"loss ({unit})", (2, 1): f"Δ loss ({unit.split('/')[0]})",
+    _axis_titles(fig, {(1, 1): f"loss ({unit})",
+                       (2, 1): f"Δ loss ({unit.split('/')[0]})" if unit.startswith("nats") else "Δ loss",
                        (3, 1): "grad norm (L2)", (4, 1): "loss scale", (5, 1): "memory (GiB)",
                        (1, 2): "tokens/s", (3, 2): "GiB",
-                       **({_COMPARE_GRID["reward_margin"]: "margin", _COMPARE_GRID["reward_accuracy"]: "accuracy"}
+                       **({grid["reward_margin"]: "margin", grid["reward_accuracy"]: "accuracy"}
                           if rewards else {})})
     _no_scaler_note(fig, runs, *_COMPARE_GRID["scale"])
     if title is None:

@@ -41,8 +41,11 @@ class ProgressBar:
         if rec.step % self.log_every == 0:
             flags = " SKIPPED" if rec.skipped else (" NONFINITE" if rec.nonfinite else "")
             tps = rec.tokens_per_s if rec.tokens_per_s is not None and math.isfinite(rec.tokens_per_s) else 0.0
+            # GRPO's loss says little on its own (a surrogate of advantages): its reward is what climbs
+            reward = getattr(rec, "reward_mean", None)
+            more = f" reward={reward:.3g}" if reward is not None else ""
             # no redraw of its own: update() draws the new postfix with the step, at most once per mininterval
-            self.bar.set_postfix_str(f"loss={rec.loss:.4f} tok/s={tps:,.0f}{flags}", refresh=False)
+            self.bar.set_postfix_str(f"loss={rec.loss:.4f}{more} tok/s={tps:,.0f}{flags}", refresh=False)
         self.bar.update(1)
 
     def on_eval(self, rec):

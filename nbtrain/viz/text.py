@@ -52,10 +52,31 @@ def reward_text(record: Any, prefix: str = "") -> Optional[str]:
     return " · ".join(parts)
 
 
+def _short(value: float, fmt: str) -> str:
+    return format(value, fmt) if math.isfinite(value) else str(value)
+
+
+def grpo_text(record: Any, prefix: str = "") -> Optional[str]:
+    """A GRPO step's reward mean (± its std over the completions) and its sampler/trainer mismatch, in a few words
+    ("reward 0.412 ± 0.13 · mismatch 0.0021 nats/token", ``prefix`` before the first; a non-finite value as it is);
+    None for a record without them (every other objective)."""
+    mean, std = getattr(record, "reward_mean", None), getattr(record, "reward_std", None)
+    mismatch = getattr(record, "mismatch_mean", None)
+    if mean is None and mismatch is None:
+        return None
+    parts = []
+    if mean is not None:
+        parts.append(f"{prefix}reward {_short(mean, '.3g')}" + (f" ± {_short(std, '.2g')}" if std is not None else ""))
+    if mismatch is not None:
+        word = "mismatch" if parts else f"{prefix}mismatch"
+        parts.append(f"{word} {_short(mismatch, '.2g')} nats/token")
+    return " · ".join(parts)
+
+
 def status_line(records: list, info: Any = None, total_steps: Optional[int] = None,
                 run: Optional[str] = None) -> str:
     """One line: step/total, tokens/s, elapsed, ETA, precision, micro × accum = effective batch, method, the
-    latest loss (and a preference objective's latest reward margin and accuracy)."""
+    latest loss (and a preference objective's latest reward margin and accuracy, or GRPO's reward and mismatch)."""
     last = records[-1] if records else None
     total = total_steps or getattr(info, "total_steps", None)
     parts = []
@@ -98,6 +119,9 @@ def status_line(records: list, info: Any = None, total_steps: Optional[int] = No
     rewards = reward_text(last, "reward ") if last is not None else None
     if rewards:
         parts.append(rewards)
+    grpo = grpo_text(last) if last is not None else None
+    if grpo:
+        parts.append(grpo)
     return " · ".join(parts)
 
 
@@ -126,6 +150,9 @@ def summary_text(records: list, evals: list, info: Any = None, result: Any = Non
     rewards = reward_text(last, "final reward ")
     if rewards:
         parts.append(rewards)
+    grpo = grpo_text(last, "final ")
+    if grpo:
+        parts.append(grpo)
     skipped = sum(bool(r.skipped) for r in records)
     nonfin = sum(bool(r.nonfinite) or not math.isfinite(r.loss if r.loss is not None else math.nan)
                  for r in records)
