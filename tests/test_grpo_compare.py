@@ -62,3 +62,13 @@ def test_a_grpo_comparison_says_each_variants_mismatch_against_fp16s(grpo_compar
     assert c.mismatch["fp32"].batches == 4
     # the total reward is judged against the seed band as the loss is
     assert "reward mean" in c.verdicts["fp16"].text
+
+
+def test_the_table_and_its_compact_view_show_the_sampler_trainer_mismatch(grpo_comparison):
+    c = grpo_comparison
+    t = c.table.set_index("variant")
+    for name in ("fp32", "fp16", "bf16 sampling"):
+        assert t.loc[name, "sampler_mismatch"] == pytest.approx(c.results[name].summary.mismatch_mean)
+    compact = c.compact_table().set_index("Variant")
+    col = [k for k in compact.columns if "Sampler/trainer" in k]
+    assert len(col) == 1 and compact.loc["fp32", col[0]] != "—"

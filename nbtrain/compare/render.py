@@ -29,7 +29,7 @@ _TEXT_COLUMNS = ("variant", "status", "precision_used", "micro_batch", "grad_acc
                  "est_master_weights_gib", "est_gradients_gib", "est_optimizer_gib", "est_total_gib", "final_loss",
                  "eval_loss", "eval_perplexity", "eval_accuracy", "reward_margin", "reward_accuracy",
                  "max_abs_loss_diff", "skipped_steps", "nonfinite_steps", "min_scale", "lost_updates",
-                 "logprob_mismatch", "fair")
+                 "logprob_mismatch", "sampler_mismatch", "fair")
 # Columns the text view shows only where the variants differ in them (a setting they all share says nothing).
 _TEXT_IF_DIFFERENT = ("micro_batch", "grad_accum", "method", "optimizer", "weights_dtype", "est_weights_gib",
                       "est_master_weights_gib", "est_gradients_gib", "est_optimizer_gib", "est_total_gib")
@@ -92,7 +92,7 @@ _FORMATS = {"wall_s": "{:.1f}", "wall_s_spread": "{:.1f}", "tokens_per_s": "{:,.
             "lost_updates": "{:.1%}", "est_weights_gib": _fmt_gib, "est_master_weights_gib": _fmt_gib,
             "est_gradients_gib": _fmt_gib, "est_optimizer_gib": _fmt_gib, "est_activations_gib": _fmt_gib,
             "est_logits_gib": _fmt_gib, "est_total_gib": _fmt_gib, "reward_margin": "{:.4f}",
-            "reward_accuracy": "{:.3f}", "logprob_mismatch": _fmt_mismatch}
+            "reward_accuracy": "{:.3f}", "logprob_mismatch": _fmt_mismatch, "sampler_mismatch": _fmt_mismatch}
 
 # The compact view: its columns and their headers, split in two lines where a header is longer than the values
 # under it, so that every column stays narrow and ten of them fit a 968 px notebook output.
@@ -106,7 +106,8 @@ _COMPACT_IF_DIFFERENT = {"optimizer": ("Optimizer",), "weights_dtype": ("Weights
 # Shown where a variant has a value in them (a preference comparison): the last step's reward margin with its
 # accuracy after the eval column, and the log-prob mismatch of the run's dtype after the loss difference.
 _COMPACT_IF_PRESENT = {"eval": {"reward": ("Reward margin", "(accuracy)")},
-                       "loss_diff": {"logprob_mismatch": ("Log-prob", "mismatch")}}
+                       "loss_diff": {"logprob_mismatch": ("Log-prob", "mismatch"),
+                                     "sampler_mismatch": ("Sampler/trainer", "mismatch")}}
 _MEMORY_NOTES = {
     "vram": "accelerator memory the run allocated (its peak)",
     "tensors": "what the run's own tensors took at their peak (the process's resident memory, which grows "
@@ -195,6 +196,7 @@ class ComparisonViews:
                 "fair": MISSING if pd.isna(r.fair) else ("✓" if r.fair else "✗"),
                 "reward": self._reward_cell(r, self.results[r.variant]) if ran else MISSING,
                 "logprob_mismatch": _cell(getattr(r, "logprob_mismatch", None), _fmt_mismatch),
+                "sampler_mismatch": _cell(getattr(r, "sampler_mismatch", None), _fmt_mismatch),
             }
             rows.append((r.variant, self.ended(r.variant), cells))
         return rows

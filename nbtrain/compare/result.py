@@ -251,6 +251,8 @@ def _build_table(outcomes: list[_Outcome], reference: str, notes: Mapping[str, l
             # mean |log p_run - log p_fp32| per answer token on sampled steps: how far the run's dtype moves the
             # log-probs a preference loss takes differences of (NaN for objective="lm" or where not measured)
             "logprob_mismatch": _float_or_nan(s.get("logprob_mismatch")),
+            # GRPO: mean |log p_sampler - log p_trainer| per completion token over the run (NaN otherwise)
+            "sampler_mismatch": _float_or_nan(s.get("mismatch_mean")),
             "init_hash": s.get("init_hash"),
             "data_hash": s.get("data_hash"),
             "fair": o.fair,
