@@ -24,11 +24,15 @@ def chain_step(previous: bytes, micro: list, task: str) -> bytes:
 
     Images: over the step's pixel values (the preprocessed fp32 inputs, row-major, so the micro-batches' bytes in
     order are the whole step's) and labels. Preprocessing does not depend on the precision, so fp32 and bf16 runs
-    of one config hash alike."""
+    of one config hash alike.
+
+    GRPO's micro-batches (``engine.grpo_run.GrpoBatch``) hash their prompts only (``data_mask``): the completions are
+    the model's own, and differ by precision; the prompts are the data every variant must share."""
     if task == "image-classification":
         step_ids = b"".join(mb.pixel_values.contiguous().numpy().tobytes() for mb in micro)
     else:
-        step_ids = b"".join(mb.input_ids[mb.attention_mask.bool()].numpy().tobytes() for mb in micro)
+        step_ids = b"".join(mb.input_ids[(mb.attention_mask if getattr(mb, "data_mask", None) is None
+                                          else mb.data_mask).bool()].numpy().tobytes() for mb in micro)
     if task != "causal-lm":   # class labels are data too
         step_ids += b"".join(mb.labels.numpy().tobytes() for mb in micro)
     return hashlib.blake2b(previous + step_ids, digest_size=8).digest()

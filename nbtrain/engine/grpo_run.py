@@ -63,10 +63,12 @@ class GrpoBatch:
     n_targets: int                 # completion tokens
     loss_units: float              # what it adds to the step's divisor under grpo_loss
     n_tokens: int                  # prompt + completion tokens (the update's throughput)
+    data_mask: torch.Tensor = None  # (R, L) 1 on the prompt's tokens: what the data gave (fingerprint.chain_step)
     n_pairs: int = 0
     indices: tuple = ()
 
-    _TENSORS = ("input_ids", "attention_mask", "positions", "completion_ids", "mask", "sampler_logp", "advantages")
+    _TENSORS = ("input_ids", "attention_mask", "positions", "completion_ids", "mask", "sampler_logp", "advantages",
+                "data_mask")
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -244,6 +246,7 @@ class GrpoObjective:
             n_rows = len(chunk)
             ids = torch.full((n_rows, length), st.data.pad_token_id, dtype=torch.long)
             attn = torch.zeros(n_rows, length, dtype=torch.long)
+            prompt_mask = torch.zeros(n_rows, length, dtype=torch.long)
             comp = torch.full((n_rows, t), st.data.pad_token_id, dtype=torch.long)
             mask = torch.zeros(n_rows, t)
             slogp = torch.zeros(n_rows, t)
@@ -253,6 +256,7 @@ class GrpoObjective:
                 ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
                 ids[r, len(p):len(p) + n] = c[:n]
                 attn[r, :len(p) + n] = 1
+                prompt_mask[r, :len(p)] = 1
                 comp[r, :n], mask[r, :n], slogp[r, :n] = c[:n], 1.0, lp[:n].float()
                 # the logit at position i predicts token i + 1; padding positions point at the last real one
                 pos[r] = (len(p) - 1 + torch.arange(t)).clamp(max=len(p) + max(n, 1) - 2)
@@ -260,7 +264,8 @@ class GrpoObjective:
             out.append(GrpoBatch(input_ids=ids, attention_mask=attn, positions=pos, completion_ids=comp, mask=mask,
                                  sampler_logp=slogp, advantages=adv[s:s + n_rows].clone(), n_targets=n_targets,
                                  loss_units=loss_units(self.kind, mask, st.cfg.max_new_tokens),
-                                 n_tokens=int(attn.sum()), indices=tuple(range(s, s + n_rows))))
+                                 n_tokens=int(attn.sum()), data_mask=prompt_mask,
+                                 indices=tuple(range(s, s + n_rows))))
         return out
 
     # -- log-probs -------------------------------------------------------------------------------------------
