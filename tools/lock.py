@@ -150,7 +150,8 @@ def main(argv=None) -> int:
             print("\n".join(f"   {f}" for f in _failures(log)) or "   (see the log above)")
     else:
         rc_fast, log_fast = _pytest(py, ["-m", "not slow"])
-        rc_nb, log_nb = _pytest(py, ["tests/test_notebooks.py", "tests/test_notebooks_real.py"])
+        rc_nb, log_nb = _pytest(py, ["tests/test_notebooks.py", "tests/test_notebooks_real.py",
+                                         "tests/test_notebooks_rl.py"])
         rc = rc_fast or rc_nb
         broke = _failures(log_fast) + _failures(log_nb)
         verdict = "green" if rc == 0 else f"{len(broke) or 'some'} failure(s)"
