@@ -21,6 +21,7 @@ from ..config import TrainConfig
 from .advice import advise, min_world_size, oom_advice
 from .estimate import Advice, MemoryEstimate, check_estimable, estimate_once, target
 from .estimate import target_fraction as estimate_target_fraction
+from .rollouts import longest_prompt
 from .report import EstimateReport, estimate_html, estimate_report, estimate_text, fmt_gib
 
 __all__ = ["Advice", "EstimateReport", "MemoryEstimate", "estimate_html", "estimate_memory", "estimate_report",
@@ -46,6 +47,10 @@ def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, 
     the B x (T - 1) positions with a target; chat data with completion-only loss: the answer tokens), or
     ``data`` (a DataBundle, e.g. ``nbtrain.data.load_data(cfg, tokenizer)``), whose examples give it.
 
+    ``objective="grpo"``: the rollouts (G completions of a prompt sampled with the KV cache, no_grad) and the
+    update (B completions of prompt + max_new_tokens tokens, the head on the completion positions) are phases of
+    their own; the prompt length is ``data``'s longest prompt when it is given, else max_seq_len.
+
     ``world_size``: the processes the run has (micro_batch_size is per process); every number is then one
     process's: under ``sharding="fsdp"`` weights, gradients and optimizer state split world_size ways plus the
     gathered layers, else (DDP) a whole copy with its gradient buckets. ``min_world_size`` says from how many
@@ -55,10 +60,14 @@ def estimate_memory(cfg: TrainConfig, device_total_gib: float | None = None, *, 
     if int(world_size) < 1:
         raise ValueError(f"world_size: at least 1 process, got {world_size}")
     world_size = int(world_size)
-    if target_fraction is None and data is not None:
+    prompt_tokens = None
+    if getattr(cfg, "objective", "lm") == "grpo":
+        # prompts without answers: no target share to read, but their length sets the rows'
+        prompt_tokens = longest_prompt(data) if data is not None else None
+    elif target_fraction is None and data is not None:
         target_fraction = estimate_target_fraction(data, cfg.max_seq_len)
-    where = target(device, device_total_gib, target_fraction)
-    est = estimate_once(cfg, where.device, where.total_gib, where.name, target_fraction, world_size)
+    where = target(device, device_total_gib, target_fraction, prompt_tokens)
+    est = estimate_once(cfg, where.device, where.total_gib, where.name, target_fraction, world_size, prompt_tokens)
     est.min_world_size, est.fsdp_refused = min_world_size(cfg, where)
     if not est.fits:
         est.advice = advise(cfg, where, world_size)

@@ -33,7 +33,8 @@ def _estimate_changed(cfg: TrainConfig, change: dict[str, Any], where: Target,
         return None
     if where.caps is not None and new.method not in where.caps.allowed_methods:
         return None                     # this machine's device cannot run it (QLoRA without bitsandbytes)
-    return estimate_once(new, where.device, where.total_gib, where.name, where.target_fraction, world_size)
+    return estimate_once(new, where.device, where.total_gib, where.name, where.target_fraction, world_size,
+                         where.prompt_tokens)
 
 
 # the processes of a CPU run split one machine's memory: more of them make nothing fit
@@ -76,7 +77,7 @@ def advise(cfg: TrainConfig, where: Target, world_size: int = 1) -> list[Advice]
     change: dict[str, Any] = {}
     world = world_size
     current = estimate_once(cfg, where.device, where.total_gib, where.name, where.target_fraction,
-                            world).total_gib
+                            world, where.prompt_tokens).total_gib
 
     def first_fit(steps: list[tuple[dict[str, Any], str]], worlds: Optional[list[int]] = None) -> bool:
         """Take the first candidate that fits, else the smallest one if it helps; True once it fits. ``worlds``:

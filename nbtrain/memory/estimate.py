@@ -10,8 +10,9 @@ from ..config import TrainConfig
 from ..hardware import Capabilities, capabilities, default_device, resolve_precision
 from ..models import check_lora_targets
 from ..precision import PRECISION_TABLE
-from .facts import NUM_LABELS
-from .report import PART_ROWS, RANK_ROWS, REFERENCE_ROWS, estimate_html, estimate_text
+from .facts import NUM_LABELS, architecture
+from .report import PART_ROWS, RANK_ROWS, REFERENCE_ROWS, ROLLOUT_ROWS, estimate_html, estimate_text
+from .rollouts import kv_dtype
 from .timeline import step_peak
 
 GIB = 2**30
@@ -90,6 +91,21 @@ class MemoryEstimate:
     # only, ORPO and SimPO have none (``notes`` says which).
     reference_weights_gib: float = 0.0
     reference_weights_bytes: int = 0
+    # objective="grpo": the rollouts' parts, beside the update's (activations, logits + loss: B completions of
+    # prompt_tokens + max_new_tokens, the head on the completion positions only). ``rollout_kv_cache``: one prompt's
+    # G completions' KV cache at full length; ``sampling_forward``: the sampling forward's transient at the rollouts'
+    # peak beyond that cache (its logits for G rows at one position, the fp32 log-probs drawn from, a layer's
+    # tensors, autocast's cached casts of trained weights); ``rollout_tensors``: the rollout batch the step keeps.
+    # ``rollout_peak_gib`` and ``update_peak_gib``: each phase's tensor peak (held parts included, no overhead); the
+    # larger is ``tensors_peak_gib``. ``prompt_tokens``: the prompt length used (the data's longest, else
+    # max_seq_len). All 0 for the other objectives.
+    rollout_kv_cache_gib: float = 0.0
+    rollout_kv_cache_bytes: int = 0
+    sampling_forward_gib: float = 0.0
+    rollout_tensors_gib: float = 0.0
+    rollout_peak_gib: float = 0.0
+    update_peak_gib: float = 0.0
+    prompt_tokens: int = 0
 
     def table(self):
         """The parts as a DataFrame (part, GiB); the total is the step's peak, not their sum."""
@@ -98,6 +114,8 @@ class MemoryEstimate:
         rows = [(name, getattr(self, attr)) for name, attr in PART_ROWS]
         # several processes: FSDP's gathered groups, DDP's buckets, before the overhead when there are some
         rows[-2:-2] = [(name, getattr(self, attr)) for name, attr in RANK_ROWS if getattr(self, attr)]
+        # GRPO's rollouts, after the update's logits, when there are some
+        rows[5:5] = [(name, getattr(self, attr)) for name, attr in ROLLOUT_ROWS if getattr(self, attr)]
         # DPO's frozen reference copy, after the optimizer state (the parts held all run), when there is one
         rows[3:3] = [(name, getattr(self, attr)) for name, attr in REFERENCE_ROWS if getattr(self, attr)]
         return pd.DataFrame(rows, columns=["part", "GiB"])
@@ -156,12 +174,14 @@ def estimate_precision(cfg: TrainConfig, device: str) -> str:
 
 
 def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device_name: str,
-                  target_fraction: Optional[float] = None, world_size: int = 1) -> MemoryEstimate:
+                  target_fraction: Optional[float] = None, world_size: int = 1,
+                  prompt_tokens: Optional[int] = None) -> MemoryEstimate:
     """The estimate of ``cfg`` on ``device`` with ``device_total_gib`` of memory, without advice, for one of
     ``world_size`` processes.
 
     ``target_fraction`` (causal LM): the share of positions that carry a target (``target_fraction(data)``
-    for chat data, where only the answer tokens do); None: every position."""
+    for chat data, where only the answer tokens do); None: every position. ``prompt_tokens`` (objective="grpo"):
+    the data's longest prompt; None: max_seq_len."""
     precision = estimate_precision(cfg, device)
     if cfg.task == "image-classification":   # a vision encoder: patches x hidden (or a traced CNN)
         from .vision import image_step_peak
@@ -172,7 +192,12 @@ def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device
                            f"{world_size}")
             world_size = 1
     else:
-        p = step_peak(cfg, precision, device, NUM_LABELS, target_fraction, world_size)
+        several = getattr(cfg, "objective", "lm") == "grpo" and world_size > 1
+        if several:   # engine.grpo_run refuses several processes: its rollouts are sampled by the one model
+            world_size = 1
+        p = step_peak(cfg, precision, device, NUM_LABELS, target_fraction, world_size, prompt_tokens)
+        if several:
+            p.notes.append("grpo runs in one process (its rollouts are sampled by the one model): estimated for one")
     overhead = (CUDA_CONTEXT_BYTES if device == "cuda" else 0) + SLACK.get(device, 0.05) * p.peak
     total = p.peak + overhead
     dtypes = part_dtypes(cfg, precision, p.param_bytes, device)
@@ -184,10 +209,26 @@ def estimate_once(cfg: TrainConfig, device: str, device_total_gib: float, device
     reference = getattr(p, "reference", 0)
     if reference:
         dtypes["reference weights"] = f"{DTYPE_NAMES[p.param_bytes]} (frozen copy: no gradients, no optimizer state)"
+    ro = getattr(p, "rollouts", None)
+    if ro is not None:
+        arch = architecture(cfg.model, cfg.task, NUM_LABELS)
+        B = cfg.micro_batch_size
+        dtypes["activations"] += f" (the update: {B} completions x ({ro.prompt} + {ro.new}) tokens)"
+        dtypes["logits + loss"] += f" (the update: {ro.new} completion positions per row)"
+        dtypes["rollout KV cache"] = kv_dtype(ro, cfg, arch)
+        dtypes["sampling forward"] = (f"sampled in {ro.sampler_precision}: {cfg.num_generations} rows' logits at one "
+                                      "position (logits_to_keep), their fp32 log-probs, a layer's tensors"
+                                      + (", autocast's 16-bit casts of the trained weights" if ro.cached_casts
+                                         else ""))
+        dtypes["rollout tensors"] = "int64 ids and positions, fp32 masks, log-probs and advantages"
     return MemoryEstimate(
         world_size=int(world_size), sharding=cfg.sharding, gathered_gib=getattr(p, "gathered", 0) / GIB,
         buckets_gib=getattr(p, "buckets", 0) / GIB,
         reference_weights_gib=reference / GIB, reference_weights_bytes=reference,
+        rollout_kv_cache_gib=ro.kv_cache / GIB if ro else 0.0, rollout_kv_cache_bytes=ro.kv_cache if ro else 0,
+        sampling_forward_gib=ro.sampling / GIB if ro else 0.0, rollout_tensors_gib=ro.tensors / GIB if ro else 0.0,
+        rollout_peak_gib=p.rollout_peak / GIB if ro else 0.0, update_peak_gib=p.update_peak / GIB if ro else 0.0,
+        prompt_tokens=ro.prompt if ro else 0,
         master_weights_gib=p.master_weights / GIB, master_weights_bytes=p.master_weights, optimizer=cfg.optimizer,
         weights_dtype=DTYPE_NAMES[p.param_bytes], dtypes=dtypes,
         run_tensors_gib=p.run_tensors / GIB,
@@ -259,10 +300,11 @@ class Target:
     name: str                         # as shown: "cuda (NVIDIA H200)", or the bare device
     caps: Optional[Capabilities]      # this machine's capabilities when it is this machine's device
     target_fraction: Optional[float] = None   # the share of positions with a target (None: all)
+    prompt_tokens: Optional[int] = None       # objective="grpo": the data's longest prompt (None: max_seq_len)
 
 
 def target(device: str | None, device_total_gib: float | None,
-           target_fraction: Optional[float] = None) -> Target:
+           target_fraction: Optional[float] = None, prompt_tokens: Optional[int] = None) -> Target:
     """The device to estimate for: ``device`` (default: the one nbtrain would use here) with
     ``device_total_gib`` (default: its memory, which must then be this machine's)."""
     dev = device or default_device()
@@ -274,4 +316,4 @@ def target(device: str | None, device_total_gib: float | None,
             raise ValueError(f"device_total_gib: give the memory of the {dev} device to estimate for "
                              "(this machine has none to read)")
         device_total_gib = caps.total_memory_gib
-    return Target(dev, float(device_total_gib), name, caps, target_fraction)
+    return Target(dev, float(device_total_gib), name, caps, target_fraction, prompt_tokens)

@@ -35,13 +35,17 @@ PART_ROWS = (("weights", "weights_gib"), ("gradients", "gradients_gib"), ("optim
              ("total (peak)", "total_gib"))
 # the part labels whose dtype the report shows beside them (MemoryEstimate.dtypes, keyed by label)
 DTYPE_PARTS = ("weights", "gradients", "optimizer", "activations", "logits + loss", "gathered", "ddp buckets",
-               "reference weights")
+               "reference weights", "rollout KV cache", "sampling forward", "rollout tensors")
 # parts of several processes, shown (before the overhead) only when there is some: FSDP's gathered groups, DDP's
 # gradient buckets
 RANK_ROWS = (("gathered", "gathered_gib"), ("ddp buckets", "buckets_gib"))
 # DPO's frozen reference copy (a full fine-tune without precompute_ref), shown after the optimizer state only when
 # there is one
 REFERENCE_ROWS = (("reference weights", "reference_weights_gib"),)
+# GRPO's rollouts (objective="grpo"), shown after the update's logits only when there are some: one prompt's group's
+# KV cache, the sampling forward's transient beyond it, the rollout batch the step keeps
+ROLLOUT_ROWS = (("rollout KV cache", "rollout_kv_cache_gib"), ("sampling forward", "sampling_forward_gib"),
+                ("rollout tensors", "rollout_tensors_gib"))
 
 RED, AMBER, GREEN, GREY = "#c62828", "#ef6c00", "#2e7d32", "#666"
 
@@ -69,6 +73,7 @@ class EstimateReport:
     # on the CPU: what the run will record as host_tensors_gib, to compare a run with (0 elsewhere)
     run_tensors_gib: float = 0.0
     tensors_peak_gib: float = 0.0           # the peak without overhead, beside it
+    phases_line: str = ""                   # GRPO: the rollouts' peak and the update's ("" otherwise)
 
     @property
     def share(self) -> Optional[float]:
@@ -92,15 +97,21 @@ def estimate_report(est: MemoryEstimate) -> EstimateReport:
         per_rank = (f", per process of {world} (fsdp: split {world} ways)" if sharding == "fsdp"
                     else f", per process of {world} (DDP: a whole copy each)")
     objective = getattr(cfg, "objective", "lm")
-    # a preference micro-batch is its pairs' chosen and rejected rows, in one forward
-    objective = (f", {objective}: {2 * cfg.micro_batch_size} rows per forward (chosen + rejected)"
-                 if objective != "lm" else "")
+    prompt = int(getattr(est, "prompt_tokens", 0) or 0)
+    if objective == "grpo":
+        objective = (f", grpo: {cfg.num_generations} completions per prompt, {cfg.micro_batch_size} per update "
+                     f"forward, prompt {prompt or cfg.max_seq_len} + {cfg.max_new_tokens} new tokens")
+    else:
+        # a preference micro-batch is its pairs' chosen and rejected rows, in one forward
+        objective = (f", {objective}: {2 * cfg.micro_batch_size} rows per forward (chosen + rejected)"
+                     if objective != "lm" else "")
     title = (f"{cfg.model} {cfg.task}, {cfg.method}, {est.precision} ({weights_dtype} weights), {optimizer}, "
              f"micro batch {cfg.micro_batch_size} x accum "
              f"{cfg.grad_accum_steps}, seq {cfg.max_seq_len}"
              f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}{objective}{per_rank}")
     rows = [(name, attr) for name, attr in PART_ROWS[:-2]]
     rows[3:3] = [(name, attr) for name, attr in REFERENCE_ROWS if getattr(est, attr, 0.0)]
+    rows += [(name, attr) for name, attr in ROLLOUT_ROWS if getattr(est, attr, 0.0)]
     rows += [(name, attr) for name, attr in RANK_ROWS if getattr(est, attr, 0.0)]
     rows.append(PART_ROWS[-2])
     return EstimateReport(
@@ -112,7 +123,17 @@ def estimate_report(est: MemoryEstimate) -> EstimateReport:
         optimizer=optimizer, weights_dtype=weights_dtype,
         master_weights_gib=float(getattr(est, "master_weights_gib", 0.0) or 0.0), scale_line=scale_line(est),
         run_tensors_gib=float(getattr(est, "run_tensors_gib", 0.0) or 0.0) if str(est.device).startswith("cpu")
-        else 0.0, tensors_peak_gib=float(getattr(est, "tensors_peak_gib", 0.0) or 0.0))
+        else 0.0, tensors_peak_gib=float(getattr(est, "tensors_peak_gib", 0.0) or 0.0), phases_line=phases_line(est))
+
+
+def phases_line(est: MemoryEstimate) -> str:
+    """GRPO: the rollouts' tensor peak and the update's, and which is the step's ("" for other objectives)."""
+    rollout, update = (float(getattr(est, name, 0.0) or 0.0) for name in ("rollout_peak_gib", "update_peak_gib"))
+    if not (rollout and update):
+        return ""
+    which = "the rollouts'" if rollout > update else "the update's"
+    return (f"grpo: the rollouts peak at {fmt_gib(rollout)} of tensors (sampling with the KV cache, no_grad), the "
+            f"update at {fmt_gib(update)} (its activations); the step's peak is {which}")
 
 
 def run_tensors_line(r: EstimateReport) -> str:
@@ -180,6 +201,8 @@ def estimate_text(est: MemoryEstimate) -> str:
                      "updates (the forward reads autocast's casts of it)")
     lines.append(f"  total: the step's peak, at {r.peak_phase}; not the sum of the parts, since")
     lines.append("  gradients are created in backward as the activations are freed")
+    if r.phases_line:
+        lines += textwrap.wrap(r.phases_line, 108, initial_indent="  ", subsequent_indent="  ")
     if run_tensors_line(r):
         lines += textwrap.wrap(run_tensors_line(r), 108, initial_indent="  ", subsequent_indent="  ")
     lines.append(f"  {r.device}: {r.device_total_gib:.2f} GiB -> {'fits' if r.fits else 'DOES NOT FIT'}")
@@ -242,6 +265,8 @@ def estimate_html(est: MemoryEstimate, device: str = "", *, details: bool = Fals
                      + _small(f"the total is the step's peak, during {_esc(r.peak_phase)}"
                               + (f"; the weights hold the fp32 master copy ({fmt_gib(r.master_weights_gib)})"
                                  if r.master_weights_gib else "")))
+        if r.phases_line:
+            lines.append(_small(_esc(r.phases_line)))
         if r.scale_line:
             lines.append(_esc(r.scale_line))
         if run_tensors_line(r):

@@ -7,7 +7,9 @@ outside autocast, ``backward()``, then AdamW and ``zero_grad(set_to_none=True)``
 Notation: B = micro_batch_size, T = max_seq_len, N = B*T tokens per micro-batch, h = hidden size, V = vocabulary
 (or number of labels), s = autocast bytes (2 under bf16/fp16, 4 under fp32/tf32), C = loss_chunk_tokens.
 A preference objective (dpo, orpo, simpo) runs each pair's chosen and rejected sequences in one forward: its
-micro-batch has 2B rows (``forward_rows``), so N = 2B*T there.
+micro-batch has 2B rows (``forward_rows``), so N = 2B*T there. GRPO's update runs B completions of P + max_new_tokens
+tokens (T = P + max_new_tokens there) with the head on the completion positions only; its rollouts are phases of
+their own (``rollouts``).
 
 Weights and optimizer state are there all the time; gradients (``set_to_none``) appear during backward, as the
 activations they replace are freed. The peak is the largest phase: inside the last layer's forward, the end of
@@ -24,6 +26,8 @@ from typing import Optional
 from ..config import TrainConfig
 from .facts import NUM_LABELS, Architecture, architecture, layer_index, parameter_bytes
 from ..precision import PRECISION_TABLE
+from .rollouts import (RolloutParts, fp32_pass, padding_mask, prompt_length, reference_forward, repeats_kv,
+                       sampling_parts)
 from .sharding import fsdp_parts
 from .trace import FP8_ALIGN, LayerTrace, LinearSpec, TracedTensor, layer_projections, trace_decoder_layer
 
@@ -50,6 +54,10 @@ class StepPeak:
     gathered_dtype: str = ""  # FSDP: the dtype the parameters are gathered in
     reference: int = 0        # DPO, full fine-tune: the frozen reference copy's weights (no gradients, no state)
     reference_forward: int = 0   # DPO: the reference forward's peak (no_grad) beyond what the step holds then
+    rollouts: Optional[RolloutParts] = None   # GRPO: the rollouts' KV cache, sampling transient and tensors
+    rollout_peak: int = 0     # GRPO: the rollouts' peak (sampling, or the fp32 pass): held parts included
+    update_peak: int = 0      # GRPO: the update's peak (its forward, backward and optimizer step): held parts included
+    phases: Optional[dict[str, int]] = None   # each phase's description -> its tensors beyond the held parts
 
 
 @dataclass
@@ -81,14 +89,19 @@ class _Head:
 
 def forward_rows(cfg: TrainConfig) -> int:
     """The rows one micro-batch's forward runs: a preference objective's B pairs are 2B sequences (each pair's
-    chosen, then its rejected), every other objective's B examples are B rows."""
-    return 2 * cfg.micro_batch_size if getattr(cfg, "objective", "lm") != "lm" else cfg.micro_batch_size
+    chosen, then its rejected), every other objective's B examples (GRPO's: completions) are B rows."""
+    pairs = getattr(cfg, "objective", "lm") in ("dpo", "orpo", "simpo")
+    return 2 * cfg.micro_batch_size if pairs else cfg.micro_batch_size
 
 
 def reference_copy(cfg: TrainConfig) -> bool:
-    """Whether the run holds a frozen copy of the model as DPO's reference: a full fine-tune without
-    precompute_ref (LoRA/QLoRA use the same model with the adapters off; ORPO and SimPO have no reference)."""
-    return getattr(cfg, "objective", "lm") == "dpo" and not cfg.precompute_ref and cfg.method == "full"
+    """Whether the run holds a frozen copy of the model as its reference: DPO, or GRPO with grpo_beta > 0, on a
+    full fine-tune (DPO: without precompute_ref). LoRA/QLoRA use the same model with the adapters off; ORPO and
+    SimPO have no reference."""
+    objective = getattr(cfg, "objective", "lm")
+    if cfg.method != "full":
+        return False
+    return (objective == "dpo" and not cfg.precompute_ref) or (objective == "grpo" and cfg.grpo_beta > 0)
 
 
 def _trace_layers(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], autocast_bytes, device: str,
@@ -116,15 +129,18 @@ def _trace_layers(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int],
 
 def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquantized: frozenset[str],
           autocast_bytes, lean: bool, device: str, target_fraction: Optional[float] = None,
-          param_bytes: int = 4, weight_copies: bool = True) -> _Head:
+          param_bytes: int = 4, weight_copies: bool = True, seq: Optional[int] = None,
+          targets: Optional[int] = None) -> _Head:
     """Memory of the final norm, the output layer and the loss, for each path the loss can take.
 
     ``target_fraction`` (causal LM): the share of the B x (T - 1) positions that carry a target (chat data
     with completion-only loss: the answer tokens; padding); None or 1: every position. Below 1 the head runs on
-    the target positions only (``nbtrain.engine.losses``: chunked, or the plain path's selection)."""
+    the target positions only (``nbtrain.engine.losses``: chunked, or the plain path's selection).
+    ``seq`` and ``targets`` (GRPO's update): the rows' length instead of max_seq_len, and the positions the head
+    runs on (B x max_new_tokens), gathered from the hidden states by index rows the batch already holds."""
     task, method, full = cfg.task, cfg.method, cfg.method == "full"
     h, V = arch.hidden, arch.vocab
-    B, T = forward_rows(cfg), cfg.max_seq_len
+    B, T = forward_rows(cfg), seq or cfg.max_seq_len
     N = B * T
     pb = param_bytes                      # the weights' (and, without autocast, the compute) element size
     s = autocast_bytes or pb
@@ -136,7 +152,7 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
     n_targets = B
     if task == "causal-lm":
         f = 1.0 if target_fraction is None else min(1.0, max(0.0, float(target_fraction)))
-        n_targets = max(1, round(f * positions))
+        n_targets = max(1, round(f * positions)) if targets is None else targets
     # the plain path selects the target positions before the head when some positions have none
     selected = task == "causal-lm" and not chunked and n_targets < positions
     tr = LayerTrace(autocast_bytes, 1 if device == "cuda" else None, False, lean=lean, param_bytes=pb)
@@ -150,7 +166,8 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
         tr.const = 0
     saved = tr.per_token * N + tr.const
     if selected:   # the head's saved input is the selected rows; the positions and their targets (int64)
-        saved = norm_saved + (tr.per_token * N - norm_saved) // N * n_targets + tr.const + 16 * n_targets
+        saved = (norm_saved + (tr.per_token * N - norm_saved) // N * n_targets + tr.const
+                 + (16 * n_targets if targets is None else 0))
     # nbtrain.engine.losses fuses the loss into a plain linear head (no adapter on it, not quantized)
     head_adapted = bool(arch.head) and any(n == arch.head or n.startswith(arch.head + ".") for n in adapted)
     head_quantized = method == "qlora" and head_linear is not None and arch.head not in unquantized
@@ -217,7 +234,10 @@ def _head(cfg: TrainConfig, arch: Architecture, adapted: dict[str, int], unquant
         loss_backward = 12 * n * V + 8 * n
         loss_saved = 4 * n * V + 8 * n
         logits_grad = n * V * logits_size
-        backward = logits_grad + (s + 4) * h * n + weight_grad + 4 * h * N
+        # the selection's backward: index_select scatters into one zero tensor of every position; GRPO's gather
+        # makes a zero tensor and scatter_add's result beside it, in the hidden states' dtype
+        hidden_grad = 4 * h * N if targets is None else 2 * pb * h * N
+        backward = logits_grad + (s + 4) * h * n + weight_grad + hidden_grad
     elif task == "causal-lm":
         # the loop shifts the labels (padded with -100), not the logits: the loss runs over all N rows
         logits = N * V * logits_size
@@ -294,6 +314,24 @@ def _reference_parts(cfg: TrainConfig, arch: Architecture, weight_bytes: int, la
                                                                          cfg.max_seq_len, target_fraction)
 
 
+def _grpo_reference(cfg: TrainConfig, arch: Architecture, weight_bytes: int, autocast_bytes: Optional[int],
+                    act_pb: int, seq: int, notes: list[str]) -> tuple[int, int]:
+    """GRPO's reference (grpo_beta > 0): (the frozen copy's bytes, held all run: a full fine-tune's deepcopy of the
+    model in the weights' dtype; the reference forward's peak beyond what the update holds then)."""
+    if cfg.grpo_beta <= 0:
+        notes.append("grpo: grpo_beta=0, no reference model (no copy, no reference forward)")
+        return 0, 0
+    forward = reference_forward(cfg, arch, autocast_bytes, act_pb, seq)
+    if cfg.method != "full":
+        notes.append(f"grpo with {cfg.method}: the reference is the same model with its adapters off: no copy; its "
+                     "forward (no_grad) is counted")
+        return 0, forward
+    notes.append("grpo, full fine-tune, grpo_beta > 0: the reference is a frozen copy of the model in the trained "
+                 "weights' dtype, no gradients or optimizer state (reference weights); called whole, its forward "
+                 "makes the logits of every position of the rows before it gathers the completions'")
+    return weight_bytes, forward
+
+
 def no_grad_forward(arch: Architecture, layers: _Layers, autocast_bytes: Optional[int], act_pb: int, rows: int,
                     T: int, target_fraction: Optional[float]) -> int:
     """The peak of a forward under no_grad to the answer tokens' log-probs, beyond the weights: nothing is saved
@@ -315,17 +353,32 @@ def no_grad_forward(arch: Architecture, layers: _Layers, autocast_bytes: Optiona
 
 
 def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = NUM_LABELS,
-              target_fraction: Optional[float] = None, world_size: int = 1) -> StepPeak:
+              target_fraction: Optional[float] = None, world_size: int = 1,
+              prompt_tokens: Optional[int] = None) -> StepPeak:
     """The parts of one training step of ``cfg`` under ``precision`` on ``device``, and its peak, for one of
     ``world_size`` processes (sharding="fsdp": rank 0's shards and gathered groups, ``sharding``; "none": DDP,
     a whole copy per rank and its gradient buckets). micro_batch_size is per process, so activations are too.
 
-    ``target_fraction``: see ``_head`` (the share of positions with a target; None: all of them)."""
+    ``target_fraction``: see ``_head`` (the share of positions with a target; None: all of them).
+    ``prompt_tokens`` (GRPO): the longest prompt of the data; None: max_seq_len, the longest a prompt can be."""
     arch = architecture(cfg.model, cfg.task, num_labels)
     params = parameter_bytes(cfg, arch, num_labels, precision)
     notes: list[str] = []
     h, L = arch.hidden, arch.layers
     T = cfg.max_seq_len
+    grpo = getattr(cfg, "objective", "lm") == "grpo"
+    prompt = 0
+    if grpo:   # the update's rows: a prompt and its completion, right-padded to P + max_new_tokens
+        prompt = prompt_length(cfg, prompt_tokens)
+        T = prompt + cfg.max_new_tokens
+        if not prompt_tokens:
+            source = ("max_seq_len, the longest a prompt can be (estimate_memory(cfg, data=...) uses the data's "
+                      "longest)")
+        elif prompt < prompt_tokens:
+            source = "max_seq_len (the data's longer prompts are cut to it)"
+        else:
+            source = "the data's longest"
+        notes.append(f"grpo: prompts of {prompt} tokens: {source}")
     rows = forward_rows(cfg)
     N = rows * T
     spec = PRECISION_TABLE.get(precision, PRECISION_TABLE["fp32"])
@@ -364,32 +417,62 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     # CUDA has no fused fp32 kernel for grouped-query attention (flash and cuDNN are 16-bit only, the
     # memory-efficient one rejects unequal q/kv heads): SDPA falls back to the math kernel (measured: torch 2.11)
     math_seq = T if device == "cuda" and autocast_bytes is None and pb == 4 and arch.kv_heads < arch.heads else 0
+    if grpo:   # padded rows: repeat_kv makes the heads equal, and the memory-efficient kernel takes fp32 with a mask
+        math_seq = 0
     if math_seq:
         notes.append("fp32 attention with grouped kv heads runs SDPA's math kernel on CUDA (T x T scores per "
                      "layer); bf16 avoids it")
     layers = _trace_layers(cfg, arch, params.adapted, autocast_bytes, device, lean, math_seq, act_pb,
                            fp8_input_bytes)
     rope_bytes = 2 * arch.head_dim * act_pb * T  # cos and sin in the residual's dtype, shared by all layers
-    inputs = 3 * 8 * N                           # input_ids, attention_mask, labels (int64)
+    # input_ids, attention_mask, labels (int64); GRPO's rows are among its rollout tensors
+    inputs = 0 if grpo else 3 * 8 * N
     head = _head(cfg, arch, params.adapted, params.unquantized, autocast_bytes, lean, device, target_fraction,
-                 act_pb, weight_copies=fs is None)
+                 act_pb, weight_copies=fs is None, seq=T if grpo else None,
+                 targets=rows * cfg.max_new_tokens if grpo else None)
     if fs is not None:
         layers.const = [0] * L
         layers.cache = [0] * L
+    # GRPO's rows are right-padded (completions end at different lengths): each layer's SDPA keeps its additive
+    # attention mask for backward, and with grouped kv heads K and V repeated to every query head (repeat_kv)
+    padded = 0
+    if grpo:
+        s_attn = autocast_bytes or act_pb
+        padded = padding_mask(cfg, arch, T, s_attn)
+        if repeats_kv(arch):
+            padded += 2 * (arch.heads - arch.kv_heads) * arch.head_dim * s_attn * N
     if ckpt:
         kept = [act_pb * h * N] * L    # each checkpointed layer keeps only its input (the residual's dtype)
     else:
-        kept = [layers.per_token[k] * N + layers.const[k] for k in range(L)]
+        kept = [layers.per_token[k] * N + layers.const[k] + padded for k in range(L)]
     acts = sum(kept) + rope_bytes + inputs + head.saved
     ref_layers = layers
     if getattr(cfg, "objective", "lm") == "dpo" and not cfg.precompute_ref and cfg.method != "full":
         # LoRA/QLoRA's reference runs with its adapters off: the base layer's tensors, not the adapters'
         ref_layers = _trace_layers(cfg.replace(method="full"), arch, {}, autocast_bytes, device, lean, math_seq,
                                    act_pb, fp8_input_bytes)
-    reference, ref_forward = _reference_parts(cfg, arch, params.weights, ref_layers, autocast_bytes, act_pb, rows,
-                                              target_fraction, notes)
     mismatch = 0
-    if getattr(cfg, "objective", "lm") != "lm":
+    rollouts = None
+    if grpo:
+        reference, ref_forward = _grpo_reference(cfg, arch, params.weights, autocast_bytes, act_pb, T, notes)
+        # the sampler's autocast caches its casts of the trained weights (leaves that require grad, no_grad or
+        # not) until the group's autocast block ends: the layers' trace under it says which, and the head's
+        sampler = cfg.sampler_precision or precision
+        s_spec = PRECISION_TABLE.get(sampler, PRECISION_TABLE["fp32"])
+        s_ac = s_spec.autocast_dtype.itemsize if s_spec.autocast_dtype is not None else None
+        trained = _trace_layers(cfg, arch, params.adapted, s_ac, device, lean, 0, pb)
+        cached = sum(trained.cache) + (2 * arch.vocab * h if s_ac and full else 0)
+        rollouts = sampling_parts(cfg, arch, precision, pb, prompt, cached, params.adapted, device)
+        lift = (4 - pb) * (params.total if cfg.method != "qlora" else params.trainable)
+        mismatch = fp32_pass(cfg, arch, params.adapted, T, lift)
+        notes.append(f"grpo: the rollouts sample {cfg.num_generations} completions of a prompt at once with the KV "
+                     f"cache (no_grad, {rollouts.sampler_precision}), one prompt after the other; the update runs "
+                     f"{rows} completions per micro-batch, each {prompt} + {cfg.max_new_tokens} tokens, the head "
+                     f"and its fp32 log-softmax on the {cfg.max_new_tokens} completion positions only")
+    else:
+        reference, ref_forward = _reference_parts(cfg, arch, params.weights, ref_layers, autocast_bytes, act_pb,
+                                                  rows, target_fraction, notes)
+    if getattr(cfg, "objective", "lm") != "lm" and not grpo:
         # summary["logprob_mismatch"] (sampled steps, before the step's first micro-batch, no gradients yet): the
         # policy's forward in the run's precision, then in fp32 with 16-bit weights lifted to fp32 in place
         # (bf16-pure: 2 more bytes per parameter while it runs); QLoRA's packed weights are not floating: not lifted
@@ -448,7 +531,7 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     grads_so_far = head_grads + other_grads
     worst, worst_gathered = (0, ""), 0
     for k in reversed(range(L)):
-        layer_act = layers.per_token[k] * N
+        layer_act = layers.per_token[k] * N + padded
         # inside the MLP's backward: the gradients of SiLU(gate) and up (or the attention's, if larger)
         backward_temps = max(2 * layers.mlp_grad, layers.attn_grad) * N
         if ckpt:                       # the layer is recomputed first, with its own short-lived tensors
@@ -487,6 +570,18 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
     # DDP (several processes, no sharding): the Reducer keeps a bucket copy of every gradient for the whole run
     # (gradient_as_bucket_view=False, torch's default and nbtrain's)
     buckets = params.gradients if cfg.sharding != "fsdp" and world_size > 1 else 0
+    rollout_peak = update_peak = 0
+    if rollouts is not None:
+        # GRPO: the rollouts come first, with no gradients and no activations; the rollout batch they make stays
+        # through the update
+        update = {k: (v + rollouts.tensors, f"the update: {d}") for k, (v, d) in phases.items() if k != "mismatch"}
+        drawn = {"rollouts": (rollouts.sampling_peak, "the rollouts: sampling with the KV cache (no_grad)")}
+        if mismatch:
+            drawn["mismatch"] = (mismatch + rollouts.tensors,
+                                 "the rollouts: the log-prob mismatch's fp32 pass (sampled steps, no_grad)")
+        phases = {**drawn, **update}
+        rollout_peak = weights + optimizer + reference + max(v for v, _ in drawn.values())
+        update_peak = weights + optimizer + reference + max(v for v, _ in update.values())
     peak_phase = max(phases, key=lambda k: phases[k][0])
     top, where = phases[peak_phase]
     # the gathered groups (and unsharded gradients) in the peak's phase: the report's "gathered" part
@@ -515,6 +610,8 @@ def step_peak(cfg: TrainConfig, precision: str, device: str, num_labels: int = N
                     trainable=params.trainable, total=params.total, notes=notes,
                     master_weights=fs.master_weights if fs is not None else params.master_weights,
                     run_tensors=run_tensors, param_bytes=pb, gathered=gathered_at_peak, buckets=buckets,
-                    reference=reference, reference_forward=ref_forward,
+                    reference=reference, reference_forward=ref_forward, rollouts=rollouts,
+                    rollout_peak=rollout_peak, update_peak=update_peak,
+                    phases={d: v for v, d in phases.values()},
                     gathered_dtype=({2: "bf16" if precision in ("bf16", "bf16-pure", "fp8") else "fp16", 4: "fp32"}
                                     [fs.compute_bytes] if fs is not None else ""))
