@@ -99,5 +99,6 @@ def test_upgrade_check_reports_and_never_writes(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "upgrade-check: 1 package(s) moved, fast tests and notebooks 1 failure(s)" in out
     assert "a 1 -> 2" in out and "FAILED tests/test_a.py::t" in out
-    assert runs == [["-m", "not slow"], ["tests/test_notebooks.py", "tests/test_notebooks_real.py"]]
+    assert runs == [["-m", "not slow"], ["tests/test_notebooks.py", "tests/test_notebooks_real.py",
+                                         "tests/test_notebooks_rl.py"]]
     assert lock.read_text() == "a==1\n"
