@@ -52,7 +52,9 @@ def test_a_grpo_run_records_every_field(run3):
         assert abs(rows.advantage.sum()) < 1e-5
     assert (ro.completion_tokens >= 1).all() and (ro.completion_tokens <= 10).all()
     s = run3.summary
-    assert s.objective == "grpo" and s.rollout_tokens_per_s > 0 and s.update_tokens_per_s > 0 and s.rollout_s > 0
+    assert s.objective == "grpo" and {"rollout_s", "rollout_tokens_per_s", "update_tokens_per_s"} <= set(s)
+    # the sampling throughput is the sampled tokens over the sampling time (no assertion on the time itself)
+    assert s.rollout_tokens_per_s * s.rollout_s == pytest.approx(int(ro.completion_tokens.sum()))
 
 
 def test_fp32_sampler_and_trainer_differ_only_by_the_decoding_arithmetic(run3):

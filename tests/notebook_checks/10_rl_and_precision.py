@@ -5,8 +5,8 @@ assert rows[0]["prompt"][-1]["role"] == "user" and len(rows) == 400
 
 # %% after: 6b1f0a05
 assert list(h.index) == list(range(1, 16)) and len(ro) == 15 * 4
-assert result.summary["objective"] == "grpo" and result.summary["rollout_tokens_per_s"] > 0
-assert result.summary["update_tokens_per_s"] > 0
+assert result.summary["objective"] == "grpo"
+assert {"rollout_s", "rollout_tokens_per_s", "update_tokens_per_s"} <= set(result.summary)
 assert list(h.index[h.sampler_fp32_gap.notna()]) == [1, 2, 3, 10, 15]   # sampled: 1-3, every 10th, the last
 for step, rows_ in ro.groupby("step"):                                 # the records' reward is the table's
     assert abs(rows_.reward.mean() - h.loc[step, "reward_mean"]) < 1e-9
