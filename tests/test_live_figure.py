@@ -12,6 +12,7 @@ dashboard's does not.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -294,6 +295,64 @@ def test_the_views_are_asked_to_fit_their_width_again_after_each_runs_first_poin
     old = dash.figure
     dash._late_fit(live_figure_widget(F.make_run_layout()))
     assert dash.figure is old
+
+
+def test_a_late_fit_never_reaches_the_live_view_a_run_end_replaced():
+    # A late fit (a timer thread) checked that the figure was still live, lost the GIL, and sent its relayout after
+    # run_end had replaced the live view by the static copy: the purged view failed in the browser ("Error setting
+    # state: Cannot read properties of undefined (reading '_guiEditing')", one CI run). Here the fit thread is held
+    # between its check and its message; its message must come before the replacement, or not at all.
+    dash = LiveDashboard(display=False, mode="widget", max_redraws_per_s=1000)
+    dash._timer = _NoTimer
+    dash.on_run_start(make_info("fp32", scaler=False, variant="fp32"))
+    for r in make_records(3, scaler=False):
+        dash.on_step_end(r)
+    fig, events = dash.figure, []
+    checked, replaced = threading.Event(), threading.Event()
+    send = fig._send_relayout_msg
+    fig._send_relayout_msg = lambda data, source_view_id=None: (
+        events.append("fit") if data == {"autosize": True} else None, send(data, source_view_id))
+    fit = fig.fit_width
+
+    def preempted_fit():
+        checked.set()
+        replaced.wait(1.0)   # the replacement, if it can happen meanwhile, happens now
+        fit()
+    fig.fit_width = preempted_fit
+
+    class Handle:
+        def __init__(self, name):
+            self.name = name
+
+        def update(self, *args, **kwargs):
+            events.append(self.name)
+            if self.name == "figure":
+                replaced.set()
+    dash.view.display = True
+    dash.view._fig_handle, dash.view._status_handle = Handle("figure"), Handle("status")
+    late = threading.Thread(target=dash._late_fit, args=(fig,), daemon=True)
+    redraw = dash._redraw
+
+    def redraw_then_a_late_fit(force=False):
+        drawn = redraw(force)
+        if late.ident is None:   # the run end's last redraw is done: the timer fires now
+            late.start()
+            checked.wait(30)
+        return drawn
+    dash._redraw = redraw_then_a_late_fit
+    dash.on_run_end(None)
+    late.join(30)
+    assert not late.is_alive() and "figure" in events, events
+    assert "fit" not in events[events.index("figure"):], events
+    assert dash.view.retired
+
+
+class _NoTimer:
+    def __init__(self, *args, **kwargs):
+        self.daemon = True
+
+    def start(self):
+        pass
 
 
 def test_a_first_point_is_drawn_with_its_marker_then_as_a_line():

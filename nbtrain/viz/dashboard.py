@@ -267,8 +267,12 @@ class LiveDashboard:
         run = self.tracker.end(result)
         self._redraw(force=True)
         current = (run.summary(), run.result) if run is not None else None
-        self.view.run_end(self.figure, self.tracker.summaries(), current,
-                          title=figure_title(self.tracker.infos()))
+        # Under the draw lock: a late fit (a timer thread) checks `retired` and then writes to the figure, and
+        # one that checked just before the live view was replaced wrote to the purged view ("Error setting
+        # state: Cannot read properties of undefined (reading '_guiEditing')" in the browser, one CI run).
+        with self._draw_lock:
+            self.view.run_end(self.figure, self.tracker.summaries(), current,
+                              title=figure_title(self.tracker.infos()))
 
     # -- drawing ----------------------------------------------------------------------------
     def refresh(self) -> None:

@@ -91,9 +91,10 @@ class _NotebookView:
         from .figures import set_title
 
         static = set_title(go.Figure(figure), html.escape(title.replace("\n", " ")))
-        self._fig_handle.update(static_bundle(static, js, text=text), raw=True)
+        # retired before the live view goes: nothing may be written to the figure from the moment it starts to
         self._live_shown = False
         self.retired = self._retires_figure
+        self._fig_handle.update(static_bundle(static, js, text=text), raw=True)
 
 
 class WidgetView(_NotebookView):
