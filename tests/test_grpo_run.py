@@ -57,6 +57,21 @@ def test_a_grpo_run_records_every_field(run3):
     assert s.rollout_tokens_per_s * s.rollout_s == pytest.approx(int(ro.completion_tokens.sum()))
 
 
+def test_the_table_holds_each_tokens_log_probs_and_they_give_the_steps_mismatch(run3):
+    # the histograms of notebook 10 draw these: the same numbers the records' mismatch was computed from
+    from nbtrain.engine.grpo import mismatch
+
+    ro, h = run3.rollouts, run3.history
+    assert list(ro.columns[-3:]) == ["sampler_logp", "trainer_logp", "variant"]
+    for step, rows in ro.groupby("step"):
+        assert [len(t) for t in rows.sampler_logp] == [len(t) for t in rows.trainer_logp] == list(rows.completion_tokens)
+        s, t = torch.cat(list(rows.sampler_logp)), torch.cat(list(rows.trainer_logp))
+        assert s.dtype == t.dtype == torch.float32 and (s <= 0).all() and (t <= 0).all()
+        mm = mismatch(s, t, torch.ones_like(s))
+        assert mm.mismatch_mean == pytest.approx(h.mismatch_mean[step - 1], rel=1e-6)
+        assert mm.mismatch_max == pytest.approx(h.mismatch_max[step - 1], rel=1e-6)
+
+
 def test_fp32_sampler_and_trainer_differ_only_by_the_decoding_arithmetic(run3):
     # fp32, no dropout: the KV-cached sampler and the one-forward trainer agree within float rounding
     assert run3.history.mismatch_mean.max() < 1e-4
@@ -168,6 +183,9 @@ def test_resume_equals_an_uninterrupted_run_sampling_included(tmp_path, iteratio
     for f in ("loss", "grad_norm", "reward_mean", "mismatch_mean", "clip_ratio"):
         assert list(resumed.history[f]) == pytest.approx(list(full.history[f]), rel=1e-6, abs=1e-9), f
     assert list(resumed.rollouts.completion) == list(full.rollouts.completion)
+    # every completion's token log-probs too, those of the batch the checkpoint was inside included
+    for col in ("sampler_logp", "trainer_logp"):
+        assert all(torch.equal(a, b) for a, b in zip(resumed.rollouts[col], full.rollouts[col])), col
 
 
 def test_a_reward_that_fails_stops_the_run_naming_it_and_keeps_the_steps_before():

@@ -224,8 +224,8 @@ def _estimate(cfg, st, batch: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,precision,beta", [("lora", "bf16", 0.0), ("full", "fp32", 0.0),
-                                                   ("full", "fp32", 0.1)])
+# full fp32 with beta 0 is this case without the frozen copy, whose bytes the estimate's test above checks untraced
+@pytest.mark.parametrize("method,precision,beta", [("lora", "bf16", 0.0), ("full", "fp32", 0.1)])
 def test_both_phases_of_a_grpo_step_on_a_shortened_smollm2(smollm2, method, precision, beta,  # noqa: F811
                                                            one_thread):
     """A step as the loop takes it, after one that made the optimizer state: step 2 (a sampled step: its rollouts

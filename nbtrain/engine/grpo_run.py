@@ -46,6 +46,9 @@ from .rollout import sample_group
 from .telemetry import sampled_step
 
 ROLLOUT_FIELDS = ("step", "group", "prompt", "completion", "completion_tokens")   # then each reward, reward, advantage
+# each completion token's log-prob under the sampler and under the trainer's first update (float32 tensors, filled
+# once that update has run): the mismatch's own numbers, token by token
+TOKEN_FIELDS = ("sampler_logp", "trainer_logp")
 
 
 @dataclass
@@ -102,6 +105,7 @@ class _Rollouts:
     fields: dict = field(default_factory=dict)       # reward_mean, reward_std, completion_len_mean, frac_zero_std
     mm: Optional[dict] = None                        # the Mismatch fields, once the first update has run
     gaps: Optional[dict] = None                      # sampler/trainer fp32 gaps, on a sampled batch
+    row_start: int = 0                               # its first completion's row in the rollout table
 
 
 def _sampling_seed(seed: int, batch: int) -> int:
@@ -219,6 +223,7 @@ class GrpoObjective:
         rewards = torch.tensor(totals, dtype=torch.float64)
         adv, zero_std = group_advantages(rewards, G)
         micro = self._micro_batches(examples, groups, adv.float())
+        row_start = len(self.rows)
         for r, (ex_i, g_i) in enumerate((e, g) for e in range(len(examples)) for g in range(G)):
             row = {"step": step, "group": b * self.prompts_per_step + ex_i, "prompt": _prompt_text(prompts[r]),
                    "completion": completions[r], "completion_tokens": lengths[r]}
@@ -227,7 +232,7 @@ class GrpoObjective:
             self.rows.append(row)
         fields = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(totals) > 1
                   else 0.0, "completion_len_mean": sum(lengths) / len(lengths), "frac_zero_std": zero_std}
-        out = _Rollouts(index=b, micro=micro, fields=fields)
+        out = _Rollouts(index=b, micro=micro, fields=fields, row_start=row_start)
         if any(sampled_step(s, st.total_steps) for s in range(step, step + cfg.grpo_iterations)):
             out.fp32 = {i: self._fp32_logp(mb.to(st.device)) for i, mb in enumerate(micro)}
         return out
@@ -340,6 +345,7 @@ class GrpoObjective:
             k = torch.cat([mb.mask.reshape(-1) for mb in batch.micro])
             mm = mismatch(s, t, k)
             batch.mm = asdict(mm)
+            self._token_logps(batch)
             n = int(k.sum())
             if math.isfinite(mm.mismatch_mean):
                 self._mm_totals[0] += mm.mismatch_mean * n
@@ -355,6 +361,15 @@ class GrpoObjective:
         clipped, _, tokens = self._dev.tolist()
         gaps = batch.gaps if (first and batch.gaps) else {"sampler_fp32_gap": None, "trainer_fp32_gap": None}
         return {**batch.mm, **gaps, **batch.fields, "clip_ratio": clipped / tokens if tokens else 0.0}
+
+    def _token_logps(self, batch: _Rollouts) -> None:
+        # micro-batch i holds completions mb.indices of the batch, in the table's order
+        for i, mb in enumerate(batch.micro):
+            old = batch.old[i].detach().float().cpu()
+            for j, r in enumerate(mb.indices):
+                n = int(mb.mask[j].sum())
+                row = self.rows[batch.row_start + r]
+                row["sampler_logp"], row["trainer_logp"] = mb.sampler_logp[j, :n].clone(), old[j, :n].clone()
 
     def summary(self) -> dict:
         """The run's sampling and update throughputs apart, the token-weighted mismatch, how the reference was held."""
@@ -373,9 +388,10 @@ class GrpoObjective:
         return {}
 
     def rollout_frame(self) -> pd.DataFrame:
-        """``result.rollouts``: one row per completion."""
+        """``result.rollouts``: one row per completion; ``sampler_logp`` and ``trainer_logp`` hold its tokens'
+        log-probs (the mismatch's own numbers) once its batch's first update has run."""
         names = [r.name for r in self.rewards]
-        cols = [*ROLLOUT_FIELDS, *names, "reward", "advantage", "variant"]
+        cols = [*ROLLOUT_FIELDS, *names, "reward", "advantage", *TOKEN_FIELDS, "variant"]
         return pd.DataFrame(self.rows, columns=cols)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
@@ -388,7 +404,7 @@ class GrpoObjective:
         if b is not None:
             out["batch"] = {"index": b.index, "micro": [mb.state() for mb in b.micro],
                             "old": {str(i): t.cpu() for i, t in b.old.items()}, "fields": b.fields,
-                            "mm": b.mm, "gaps": b.gaps}
+                            "mm": b.mm, "gaps": b.gaps, "row_start": b.row_start}
         return out
 
     def load_state_dict(self, state: Optional[dict]) -> None:
@@ -402,7 +418,8 @@ class GrpoObjective:
             micro = [GrpoBatch(**d) for d in b["micro"]]
             self.batch = _Rollouts(index=b["index"], micro=micro,
                                    old={int(i): t.to(self.st.device) for i, t in b["old"].items()},
-                                   fields=b["fields"], mm=b["mm"], gaps=b["gaps"])
+                                   fields=b["fields"], mm=b["mm"], gaps=b["gaps"],
+                                   row_start=b.get("row_start", 0))
 
 
 def _prompt_text(prompt: Any) -> str:
