@@ -17,23 +17,28 @@ if WORKERS > 1:
 torch.set_num_threads(max(1, 2 // WORKERS))
 
 
-# The longest files first (seconds of one worker in a full run, 2026-12-03): with --no-loadscope-reorder (the
-# Makefile) xdist hands out files in collection order, so the long ones start at once on both workers and the
-# short ones fill in at the end, instead of one long file running alone while the other worker idles.
+# The longest files first (seconds of one worker in a full run, 2026-12-05): with --no-loadscope-reorder (the
+# Makefile) xdist hands out files in collection order, so the long ones start at once on the workers and the
+# short ones fill in at the end, instead of one long file running alone while the others idle (notebook 10's file,
+# left out of this list, started at 517 s and ended its worker 20 s after the other two).
 # test_fsdp starts the torchrun start-up (conftest.fsdp_worker_runs, ~55 s) third, so that test_real_model's one
 # FSDP test (at its end) finds it made; test_memory_fsdp, its other reader, goes last (started together, one
 # worker would wait on the other's lock).
-LONGEST_FIRST = ("test_notebooks",          # 154
-                 "test_browser",            # 152
-                 "test_fsdp",               # 33 + the start-up
-                 "test_real_model",         # 84
-                 "test_notebooks_real",     # 81
-                 "test_distributed",        # 64
-                 "test_browser_results",    # 60
-                 "test_memory_real",        # 56
-                 "test_isolation",          # 20
-                 "test_docs_site",          # 30: one notebook executed, the site built, three pages in Chromium
-                 "test_benchmarks")         # 17
+LONGEST_FIRST = ("test_notebooks",          # 325
+                 "test_browser",            # 189
+                 "test_fsdp",               # 111, the start-up included
+                 "test_memory_real",        # 123
+                 "test_notebooks_real",     # 107
+                 "test_real_model",         # 95
+                 "test_notebooks_rl",       # 93
+                 "test_isolation",          # 82
+                 "test_browser_results",    # 78
+                 "test_distributed",        # 53
+                 "test_memory_grpo",        # 50
+                 "test_docs_site",          # 40: one notebook executed, the site built, three pages in Chromium
+                 "test_browser_first_point",  # 37
+                 "test_benchmarks",         # 34
+                 "test_browser_layout")     # 31
 LAST = ("test_memory_fsdp",)
 
 
