@@ -4,9 +4,11 @@
 have moved instead. This runs the same training (overhead.py's tiny config) from two checkouts of the repository,
 interleaved (ABBA...), each run in a fresh process with only that checkout on its path, and reports the median
 of the paired throughput ratios new / old with the pairs' range as the noise. ``--aa`` makes both sides the new
-commit, for the harness's own spread.
+commit, for the harness's own spread. ``--objective dpo`` runs the DPO loop instead (LoRA on tiny, the built-in
+preference pairs; the reference is the model with its adapters off).
 
     python benchmarks/loop_ab.py --old 12abd46 [--new HEAD] [--repeats 6] [--precisions fp32,bf16] [--aa]
+                                 [--objective lm|dpo]
 """
 
 from __future__ import annotations
@@ -30,9 +32,19 @@ import nbtrain as nbt
 assert nbt.__file__.startswith(sys.argv[1]), (nbt.__file__, sys.argv[1])
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
 from overhead import WARMUP, bench_config, nbtrain_loop
-p, steps = sys.argv[2], int(sys.argv[3])
-nbtrain_loop(bench_config(p, WARMUP + 1))
-print(json.dumps(statistics.median(nbtrain_loop(bench_config(p, steps))[WARMUP:])))
+p, steps, objective = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+
+
+def config(n):
+    if objective == "dpo":
+        return nbt.TrainConfig(model="tiny", data="builtin:python-docs-pref", objective="dpo", method="lora",
+                               max_seq_len=128, micro_batch_size=4, max_steps=n, precision=p, eval_fraction=0.0,
+                               lr=3e-4)
+    return bench_config(p, n)
+
+
+nbtrain_loop(config(WARMUP + 1))
+print(json.dumps(statistics.median(nbtrain_loop(config(steps))[WARMUP:])))
 """
 
 
@@ -44,15 +56,16 @@ def _checkout(rev: str, into: Path) -> Path:
     return into
 
 
-def _one(tree: Path, precision: str, steps: int) -> float:
+def _one(tree: Path, precision: str, steps: int, objective: str) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree), "NBTRAIN_DASHBOARD": "text"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(tree), precision, str(steps)], env=env, cwd=tree,
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tree), precision, str(steps), objective], env=env,
+                         cwd=tree,
                          check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
 
 def run(old: str, new: str = "HEAD", repeats: int = 6, steps: int = 40, precisions=("fp32", "bf16"),
-        aa: bool = False) -> dict:
+        aa: bool = False, objective: str = "lm") -> dict:
     """Interleaved runs of both commits; per precision the paired ratios new / old."""
     revs = {name: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", r], check=True,
                                  capture_output=True, text=True).stdout.strip()
@@ -64,14 +77,15 @@ def run(old: str, new: str = "HEAD", repeats: int = 6, steps: int = 40, precisio
             got: dict[str, list[float]] = {"old": [], "new": []}
             for r in range(repeats):
                 for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                    got[name].append(_one(trees[name], p, steps))
+                    got[name].append(_one(trees[name], p, steps, objective))
             pairs = [n / o for n, o in zip(got["new"], got["old"])]
             rows.append({"precision": p, "old_tokens_per_s": [round(x, 1) for x in got["old"]],
                          "new_tokens_per_s": [round(x, 1) for x in got["new"]],
                          "ratio_new_vs_old": round(statistics.median(pairs), 4),
                          "pair_ratios": [round(x, 4) for x in pairs],
                          "pair_ratio_range": [round(min(pairs), 4), round(max(pairs), 4)]})
-    return {"old": revs["old"], "new": revs["new"], "aa": aa, "steps": steps, "repeats": repeats, "rows": rows}
+    return {"old": revs["old"], "new": revs["new"], "aa": aa, "objective": objective, "steps": steps,
+            "repeats": repeats, "rows": rows}
 
 
 def main(argv=None) -> dict:
@@ -82,11 +96,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--aa", action="store_true", help="both sides the new commit: the harness's own spread")
+    ap.add_argument("--objective", choices=("lm", "dpo"), default="lm")
     ap.add_argument("--out", default="", help="a JSON file to write")
     args = ap.parse_args(argv)
-    res = run(args.old, args.new, args.repeats, args.steps, tuple(args.precisions.split(",")), args.aa)
+    res = run(args.old, args.new, args.repeats, args.steps, tuple(args.precisions.split(",")), args.aa,
+              args.objective)
     for r in res["rows"]:
-        print(f"{r['precision']}: {res['new']} / {res['old']} = {r['ratio_new_vs_old']:.3f} (median of "
+        print(f"{res['objective']} {r['precision']}: {res['new']} / {res['old']} = {r['ratio_new_vs_old']:.3f} (median of "
               f"{len(r['pair_ratios'])} pairs, range {r['pair_ratio_range'][0]:.3f}-{r['pair_ratio_range'][1]:.3f})")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
