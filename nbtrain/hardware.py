@@ -41,8 +41,10 @@ class Capabilities:
 
     @property
     def auto_precision(self) -> str:
-        """What ``precision="auto"`` resolves to here."""
-        if self.bf16_supported and (self.device == "cuda" or self.bf16_native):
+        """What ``precision="auto"`` resolves to here: bf16 only where it is native (a CUDA GPU of compute
+        capability 8.0+, a CPU with bf16 instructions); else fp16 with the GradScaler on CUDA, fp32 on a CPU.
+        torch calls bf16 supported on a T4 too, where it is emulated and slower than fp16."""
+        if self.bf16_supported and self.bf16_native:
             return "bf16"
         if self.device == "cuda" and self.fp16_supported:
             return "fp16"

@@ -36,16 +36,30 @@ def test_fp8_is_emulated_below_ada_and_refused_without_bf16(fake_cuda):
     a100 = fake_cuda("NVIDIA A100", (8, 0), 80.0, True)
     assert "fp8" in a100.allowed_precisions and not a100.fp8_native
     assert "emulated: numerics only, slower" in a100.notes["fp8"] and "8.0" in a100.notes["fp8"]
-    t4 = fake_cuda("Tesla T4", (7, 5), 15.0, False)
-    assert "bf16-pure" in t4.reasons and "fp8" in t4.reasons
+    old = fake_cuda("Tesla P100", (6, 0), 16.0, False)   # a GPU torch gives no bf16 at all
+    assert "bf16-pure" in old.reasons and "fp8" in old.reasons
 
 
-def test_turing_has_no_bf16_or_tf32_and_auto_is_fp16(fake_cuda):
-    caps = fake_cuda("Tesla T4", (7, 5), 15.0, False)
+def test_turing_emulates_bf16_so_auto_is_fp16(fake_cuda):
+    # real torch on a T4: is_bf16_supported() is True (emulated), compute capability 7.5, 15 GiB
+    caps = fake_cuda("Tesla T4", (7, 5), 15.0, True)
+    assert caps.bf16_supported and not caps.bf16_native
+    assert caps.auto_precision == "fp16"                  # emulated bf16 is slower than fp16 with the GradScaler
+    assert "bf16" in caps.allowed_precisions and "emulated" in caps.notes["bf16"] and "fp16" in caps.notes["bf16"]
+    assert "Ampere" in caps.reasons["tf32"] and "7.5" in caps.reasons["tf32"]
+    assert caps.fp16_fast and "fp16" not in caps.notes
+
+
+def test_a_gpu_without_bf16_names_the_alternative(fake_cuda):
+    caps = fake_cuda("Tesla P100", (6, 0), 16.0, False)
     assert caps.allowed_precisions == ("fp32", "fp16")   # no bf16: no bf16-pure, no fp8 (its other layers are bf16)
     assert "bf16" in caps.reasons and "fp16" in caps.reasons["bf16"]      # the reason names the alternative
-    assert "Ampere" in caps.reasons["tf32"] and "7.5" in caps.reasons["tf32"]
     assert caps.auto_precision == "fp16"
+
+
+def test_ampere_is_where_auto_turns_to_bf16(fake_cuda):
+    assert fake_cuda("NVIDIA A100-SXM4-40GB", (8, 0), 40.0, True).auto_precision == "bf16"
+    assert fake_cuda("NVIDIA GeForce RTX 2080", (7, 5), 8.0, True).auto_precision == "fp16"
 
 
 def test_pascal_fp16_is_allowed_but_noted(fake_cuda):
@@ -77,7 +91,7 @@ def test_qlora_gated_without_bitsandbytes(monkeypatch):
 
 
 def test_check_runnable_names_the_precision_and_resolves_auto(fake_cuda):
-    t4 = fake_cuda("Tesla T4", (7, 5), 15.0, False)
+    t4 = fake_cuda("Tesla T4", (7, 5), 15.0, True)
     cfg = nbt.TrainConfig(precision="tf32")
     with pytest.raises(nbt.ConfigError) as e:
         hardware.check_runnable(cfg, t4)

@@ -84,7 +84,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 PRECISION_HINTS: dict[str, str] = {
-    "auto": "picks bf16 where supported, else fp16 on CUDA, else fp32",
+    "auto": "picks bf16 where it is native (Ampere+ GPU, bf16 CPU), else fp16 on CUDA, else fp32",
     "fp32": "full precision, the reference: most memory, slowest on GPUs",
     "tf32": "fp32 storage, matmuls with a 10-bit mantissa on tensor cores (Ampere+)",
     "fp16": "needs loss scaling (GradScaler); overflow above 65504",
