@@ -38,11 +38,15 @@ demo: setup
 # machine's tiny fp32 tok/s printed beside the suite's time. Files go out in conftest's order, longest first
 # (xdist would otherwise send the files with the most tests first, and the long notebook and browser files last).
 PYTEST_PARALLEL ?= -n 3 --dist loadfile --no-loadscope-reorder
+# From nothing, as on a newcomer's machine: each run gets its own empty model cache (NBTRAIN_CACHE) and Hugging Face
+# cache (HF_HOME), removed afterwards; the real model is converted once per run (a session fixture, under a lock).
+FRESH_CACHES = cache=$$(mktemp -d "$${TMPDIR:-/tmp}/nbtrain-test.XXXXXX"); trap 'rm -rf "$$cache"' EXIT; \
+	export NBTRAIN_CACHE="$$cache/nbtrain" HF_HOME="$$cache/hf"; echo "empty caches for this run: $$cache";
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
+	@$(FRESH_CACHES) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
 
 test-fast: setup
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
+	@$(FRESH_CACHES) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 lab: setup
 	$(BIN)/python -m jupyter lab notebooks/
