@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .config import ConfigError, TrainConfig, parse_override
+from .config import ConfigError, TrainConfig, config_file, parse_override
 from .engine.checkpoint import CheckpointError
 from .viz.progress import ProgressBar
 
@@ -41,7 +41,7 @@ class JsonlEmitter:
 
 
 def _load_config(path: str, sets: Sequence[str], **more) -> TrainConfig:
-    cfg = TrainConfig.from_yaml(path)
+    cfg = TrainConfig.from_yaml(config_file(path))
     changes = {**dict(parse_override(s) for s in sets), **{k: v for k, v in more.items() if v is not None}}
     if changes:   # at once: --set save_every=2 --output-dir D is valid together, not one at a time
         cfg = cfg.replace(**changes)
@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(sp):
-        sp.add_argument("config", help="a TrainConfig YAML file")
+        sp.add_argument("config", help="a TrainConfig YAML file, or the name of a shipped example (tiny, minilm-lora, "
+                                           "qwen2.5-0.5b-qlora)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field (repeatable), e.g. --set precision=bf16")
 

@@ -59,6 +59,9 @@ TRACKERS: tuple[str, ...] = get_args(Tracker)
 
 # fields that name a file or a directory: an os.PathLike (pathlib.Path) is accepted and stored as its string
 PATH_FIELDS = ("model", "data", "output_dir", "resume_from")
+# The example configs ship inside the package, so a notebook opened on its own (Colab, a downloaded copy) and
+# the command line find them by name: TrainConfig.example("tiny"), `nbtrain train tiny`.
+EXAMPLES_DIR = Path(__file__).resolve().parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -111,7 +114,7 @@ class TrainConfig(BaseModel):
                              description="tokens per example; longer ones are cut (a.k.a. cutoff_len)")
     subset: Optional[int] = Field(None, ge=1, description="first N examples only (before the eval split); "
                                                           "blank = all")
-    precision: Precision = Field("auto", description="auto (bf16 where supported, else fp16 on CUDA, else fp32), "
+    precision: Precision = Field("auto", description="auto (bf16 where native, else fp16 on CUDA, else fp32), "
                                                      "fp32, tf32 (Ampere+ GPUs), fp16 (with a GradScaler), bf16, "
                                                      "bf16-pure (weights, gradients and optimizer state in bf16, "
                                                      "no fp32 master) or fp8 (float8 matmuls in the linear layers)")
@@ -566,6 +569,12 @@ class TrainConfig(BaseModel):
         except ConfigError as e:
             raise ConfigError(f"{p}: {e}", field=e.field, errors=e.errors) from None
 
+    @classmethod
+    def example(cls, name: str) -> "TrainConfig":
+        """One of the example configs shipped with nbtrain, by name: "tiny" (the offline default), "minilm-lora",
+        "qwen2.5-0.5b-qlora" (``example_configs()`` lists them)."""
+        return cls.from_yaml(example_path(name))
+
     def __repr__(self) -> str:
         changed = {k: v for k, v in self.to_dict().items() if v != type(self).model_fields[k].default}
         return "TrainConfig(" + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + ")"
@@ -613,6 +622,33 @@ def reward_reference(fn: Any) -> str:
     if not mod or not qual or mod == "__main__" or "<" in qual:
         return f"{name} (not importable)"
     return f"{mod}:{qual}"
+
+
+def example_configs() -> dict[str, Path]:
+    """The example configs shipped with nbtrain: name -> YAML file."""
+    return {p.stem: p for p in sorted(EXAMPLES_DIR.glob("*.yaml"))}
+
+
+def example_path(name: str) -> Path:
+    """The file of example config ``name`` ("tiny" or "tiny.yaml"); ValueError listing the examples otherwise."""
+    examples = example_configs()
+    stem = name[:-5] if name.endswith(".yaml") else name
+    if stem not in examples:
+        raise ValueError(f"no example config {name!r}; the examples shipped with nbtrain: {', '.join(examples)}")
+    return examples[stem]
+
+
+def config_file(spec: str | os.PathLike) -> Path:
+    """A config given on the command line: a YAML file, or else the name of a shipped example ("tiny"). A name
+    that is neither is an error naming both."""
+    p = Path(spec)
+    if p.is_file():
+        return p
+    try:
+        return example_path(str(spec))
+    except ValueError:
+        raise FileNotFoundError(f"config file {str(spec)!r} does not exist, and it is not the name of an example "
+                                f"config shipped with nbtrain ({', '.join(example_configs())})") from None
 
 
 def load_yaml_mapping(path: str | os.PathLike, what: str = "keys") -> dict:

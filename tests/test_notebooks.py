@@ -19,7 +19,7 @@ from .helpers import execute_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-CONFIGS = NOTEBOOKS / "configs"
+CONFIGS = ROOT / "nbtrain" / "configs"   # shipped in the package: TrainConfig.example(name)
 ARTIFACTS = ROOT / "test-artifacts" / "notebooks"
 CHECKS = Path(__file__).resolve().parent / "notebook_checks"
 MAX_ASSERTS = 6   # a notebook keeps a few "check yourself" assertions; the library's checks are in CHECKS
@@ -218,7 +218,6 @@ def test_notebook_runs_its_other_cpu_branch(name, tmp_path):
     assert "capabilities()" in source or "auto" in source, f"{name} no longer branches on capabilities()"
     nb.cells.insert(0, nbformat.v4.new_code_cell(_other_bf16_answer(native)))
     nb.cells.append(nbformat.v4.new_code_cell(f"assert nbt.capabilities().bf16_native is {not native}"))
-    shutil.copytree(CONFIGS, tmp_path / "configs")
     try:
         _execute(nb, tmp_path)
     finally:
@@ -241,7 +240,6 @@ def test_a_wrong_claim_fails_the_notebook(tmp_path):
     hits = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and TRUE_CLAIM in c.source]
     assert len(hits) == 1, f"{BROKEN_NOTEBOOK} no longer contains {TRUE_CLAIM!r} once; update this test"
     nb.cells[hits[0]].source = nb.cells[hits[0]].source.replace(TRUE_CLAIM, FALSE_CLAIM)
-    shutil.copytree(CONFIGS, tmp_path / "configs")
     with pytest.raises(CellExecutionError) as err:
         _execute(nb, tmp_path)
     assert "AssertionError" in str(err.value) and FALSE_CLAIM in str(err.value)
@@ -272,7 +270,8 @@ def test_config_files_are_there():
 def test_tiny_config_loads_and_is_offline():
     import nbtrain as nbt
 
-    cfg = nbt.TrainConfig.from_yaml(CONFIGS / "tiny.yaml")
+    cfg = nbt.TrainConfig.example("tiny")
+    assert cfg == nbt.TrainConfig.from_yaml(CONFIGS / "tiny.yaml") == nbt.TrainConfig.example("tiny.yaml")
     assert (cfg.model, cfg.data, cfg.task) == ("tiny", "builtin:python-docs", "causal-lm")
     assert nbt.estimate_memory(cfg).fits
 
@@ -305,11 +304,11 @@ def test_readme_lists_the_notebooks_configs_and_docs():
     for name in EXPECTED:
         assert f"notebooks/{name}.ipynb" in readme, name
     for name in CONFIG_FILES:
-        assert f"notebooks/configs/{name}" in readme, name
+        assert f"nbtrain/configs/{name}" in readme, name
     assert "OWNER" not in readme and "mybinder.org/v2/gh/" not in readme   # no placeholder link
     assert len(readme.splitlines()) <= 150, "the README is a newcomer's first page"
     assert not re.search(r"\bissues? \d+", readme, re.I), "no issue numbers in user-facing text"
-    for target in re.findall(r"\]\(((?:docs|notebooks)/[^)#]+)\)", readme):
+    for target in re.findall(r"\]\(((?:docs|notebooks|nbtrain)/[^)#]+)\)", readme):
         assert (ROOT / target).exists(), target
 
 

@@ -121,11 +121,12 @@ def assemble(only: list[str] | None, execute_notebooks: bool, timeout: int) -> l
                     ignore=shutil.ignore_patterns("*.png"))
     for page in SRC.glob("*.md"):
         text = page.read_text()
-        page.write_text(text.replace("](../notebooks/", "](notebooks/").replace("](../benchmarks/", "](benchmarks/"))
+        page.write_text(text.replace("](../notebooks/", "](notebooks/").replace("](../benchmarks/", "](benchmarks/")
+                       .replace("](../nbtrain/", "](nbtrain/"))
     (SRC / "api.md").write_text(api_page())
     (SRC / "assets").mkdir(exist_ok=True)
     shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", SRC / "assets" / "plotly.min.js")
-    shutil.copytree(ROOT / "notebooks" / "configs", SRC / "notebooks" / "configs")
+    shutil.copytree(ROOT / "nbtrain" / "configs", SRC / "nbtrain" / "configs")
     names = []
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         if only and path.stem not in only:

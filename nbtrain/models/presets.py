@@ -93,7 +93,7 @@ PRESETS: dict[str, ModelPreset] = {
             # quantiser both leave alone, as they do for most real checkpoints
             tie_word_embeddings=False,
         ),
-        # 30 steps of 8 x 32 tokens: loss 7.65 -> ~6.0 at 1e-3, only -> ~6.9 at 3e-4 (notebooks/configs/tiny.yaml)
+        # 30 steps of 8 x 32 tokens: loss 7.65 -> ~6.0 at 1e-3, only -> ~6.9 at 3e-4 (nbtrain/configs/tiny.yaml)
         default_lr=1e-3,
     ),
     "tiny-vit": ModelPreset(

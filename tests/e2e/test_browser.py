@@ -99,7 +99,6 @@ class JupyterServer:
         self.root = tmp / "work"
         self.root.mkdir()
         shutil.copy(ROOT / "notebooks" / notebook, self.root / notebook)
-        shutil.copytree(ROOT / "notebooks" / "configs", self.root / "configs")
         dirs = {name: tmp / name for name in ("config", "data", "runtime", "ipython", "settings", "workspaces")}
         for d in dirs.values():
             d.mkdir()
