@@ -110,7 +110,7 @@ def _torchao_status() -> str | None:
     takes ~1 s, which every capabilities() would pay; a torchao that is there but broken fails when a fp8 run
     converts its layers, with the import's error."""
     if importlib.util.find_spec("torchao") is None:
-        return "fp8 needs torchao (pip install 'nbtrain[fp8]')"
+        return "fp8 needs torchao: pip install 'nbtrain[fp8]' (or 'nbtrain[course]', which the course notebooks use)"
     return None
 
 
