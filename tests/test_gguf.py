@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 
 import pytest
@@ -128,3 +129,89 @@ def test_the_panel_says_what_a_gguf_model_and_the_preset_are(tmp_path, smollm2):
     panel.controls["model"].value = str(f)
     assert "GGUF file" in panel.model_info.value and "dequantized to fp32 on first use" in panel.model_info.value
     assert not [p for p in panel.form.local_problems() if p["field"] == "model"]
+
+
+@pytest.fixture(scope="module")
+def dequantized(smollm2):
+    """A stand-in for gg._dequantize of the preset's file: its (tokenizer, model, marker data) read back from the
+    session's converted folder in ~2 s instead of dequantized again (~25 s), for the tests of what a conversion
+    writes and when; ``.folder`` is that converted folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    good = gg.cached_dir(gg.Path(resolve_source(smollm2).name))
+    tok = AutoTokenizer.from_pretrained(str(good))
+    model = AutoModelForCausalLM.from_pretrained(str(good), dtype=torch.float32)
+    meta = json.loads((good / gg.MARKER).read_text())
+
+    def dequantize(path):
+        dequantize.calls += 1
+        return tok, model, meta
+
+    dequantize.calls, dequantize.folder = 0, good
+    return dequantize
+
+
+def test_a_marker_over_missing_files_is_converted_again_or_named_with_the_fix(dequantized, cache, monkeypatch):
+    """Issue "the conversion is right on any rank and heals": an older nbtrain, converting on a distributed rank
+    other than 0, left the marker over the tokenizer only, and every load then failed ("no config.json"). A load
+    now converts such a folder again; where it cannot, the message names the folder and says to delete it."""
+    from safetensors.torch import load_file
+
+    good = dequantized.folder
+    path = gg.Path(resolve_source(SMOLLM2).name)
+    bad = gg.cached_dir(path)
+    assert bad.parent == cache / "gguf"
+    bad.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", gg.MARKER):
+        shutil.copyfile(good / name, bad / name)
+    assert gg._missing(bad) == ["no config.json", "no model.safetensors"] and not gg.is_converted(path)
+
+    with monkeypatch.context() as m:   # no gguf package: it cannot be converted again here
+        real = importlib.util.find_spec
+        m.setattr(gg.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+        with pytest.raises(ModelError) as e:
+            local_source(resolve_source(SMOLLM2))
+    msg = str(e.value)
+    assert f"the cached copy in {bad} is incomplete (no config.json, no model.safetensors)" in msg
+    assert "Delete that folder" in msg and "`pip install gguf`" in msg
+
+    monkeypatch.setattr(gg, "_dequantize", dequantized)
+    calls = dequantized.calls
+    assert local_source(resolve_source(SMOLLM2)).name == str(bad)
+    assert dequantized.calls == calls + 1 and gg._missing(bad) == [] and gg.is_converted(path)
+    assert sorted(p.name for p in bad.iterdir()) == sorted(p.name for p in good.iterdir())
+    assert not [p for p in bad.parent.iterdir() if ".tmp-" in p.name]
+    before, after = load_file(good / gg.WEIGHTS), load_file(bad / gg.WEIGHTS)
+    assert sorted(before) == sorted(after) and all(before[k].equal(after[k]) for k in before)
+    assert "lm_head.weight" not in after   # tied to model.embed_tokens.weight: stored once, as save_pretrained does
+    assert gg.info(path).quant == "Q4_1"
+    local_source(resolve_source(SMOLLM2))
+    assert dequantized.calls == calls + 1   # complete now: loaded, not converted again
+
+    # what else the check on every load catches: weights cut short (an interrupted copy), a config that is not JSON
+    os.truncate(bad / gg.WEIGHTS, (bad / gg.WEIGHTS).stat().st_size // 2)
+    (bad / "config.json").write_text("{")
+    assert gg._missing(bad) == ["an unreadable config.json", "a truncated or unreadable model.safetensors"]
+    assert not gg.is_converted(path)
+
+
+def test_a_conversion_that_leaves_files_out_writes_no_marker(dequantized, cache, monkeypatch):
+    """What a rank other than 0 wrote with save_pretrained (the tokenizer, nothing else) is refused before the
+    marker: the error names what is missing and the folder, and nothing is left in the cache."""
+    monkeypatch.setattr(gg, "_dequantize", dequantized)
+
+    def rank_1_save(model, folder):   # save_pretrained as it behaves on torch.distributed rank 1
+        monkeypatch.setattr(type(model), "should_save_on_this_rank", lambda self, is_main_process: False)
+        model.save_pretrained(folder)
+        return set(model.state_dict())
+
+    monkeypatch.setattr(gg, "_save_model", rank_1_save)
+    path = gg.Path(resolve_source(SMOLLM2).name)
+    with pytest.raises(ModelError) as e:
+        local_source(resolve_source(SMOLLM2))
+    msg = str(e.value)
+    assert f"converting it to {gg.cached_dir(path)} left no config.json, no model.safetensors, so nothing was " \
+           "cached" in msg
+    assert not gg.cached_dir(path).exists() and not gg.is_converted(path)
+    assert not [p for p in (cache / "gguf").iterdir() if p.is_dir()]   # no temporary folder left either

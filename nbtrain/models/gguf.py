@@ -6,7 +6,10 @@ dequantizes its weights to fp32, which takes ~20 s for a 135M model and cannot b
 into a model built from the config (without the config's ``quantization_config``) and saves it, with the
 tokenizer, as an ordinary safetensors folder under the cache, keyed by the file's SHA-256. Every later run,
 process or FSDP worker loads that folder in seconds, and everything that takes a model folder (LoRA, QLoRA,
-exports, the memory estimate) works on it unchanged.
+exports, the memory estimate) works on it unchanged. The folder is written by hand, not with the model's
+``save_pretrained`` (which writes nothing on a torch.distributed rank other than 0, and any rank may convert first),
+and its marker is written only once the folder is complete; a folder whose marker vouches for missing files (left by
+an older nbtrain) is converted again.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from pathlib import Path
 
 SUFFIX = ".gguf"
 MARKER = "nbtrain-gguf.json"      # written last: a folder without it is an interrupted conversion
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"   # shards: what save_pretrained wrote for a model over 50 GB
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 INSTALL = "pip install gguf"
 _lock = threading.Lock()
 _hashes: dict[tuple[str, int, int], str] = {}
@@ -79,8 +85,69 @@ def cached_dir(path: Path) -> Path:
 
 
 def is_converted(path: Path) -> bool:
-    """Whether ``path`` has a complete cached copy."""
-    return (cached_dir(path) / MARKER).is_file()
+    """Whether ``path`` has a complete cached copy (its marker, and the files the marker vouches for)."""
+    return _complete(cached_dir(path))
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / MARKER).is_file() and not _missing(folder)
+
+
+def _missing(folder: Path, tensors: set[str] | None = None) -> list[str]:
+    """What converted folder ``folder`` lacks, e.g. ["no config.json", "no model.safetensors"]; empty when it is
+    complete (and, given ``tensors``, its weights hold all of them). Cheap, as it runs on every load: it reads
+    config.json and the weights' headers, never the weights."""
+    problems = []
+    try:
+        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        problems.append("no config.json")
+    except (OSError, ValueError):
+        problems.append("an unreadable config.json")
+    if (folder / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    elif (folder / WEIGHTS_INDEX).is_file():
+        try:
+            index = json.loads((folder / WEIGHTS_INDEX).read_text(encoding="utf-8"))
+            files = sorted(set(index["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError):
+            files = []
+            problems.append(f"an unreadable {WEIGHTS_INDEX}")
+    else:
+        files = []
+        problems.append(f"no {WEIGHTS}")
+    names: set[str] = set()
+    for f in files:
+        if not (folder / f).is_file():
+            problems.append(f"no {f}")
+            continue
+        found = _tensor_names(folder / f)
+        if not found:
+            problems.append(f"a truncated or unreadable {f}")
+        names |= found or set()
+    lost = sorted(tensors - names) if tensors is not None and names else []
+    if lost:
+        problems.append(f"{len(lost)} tensors missing from the weights (e.g. {lost[0]})")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        problems.append(f"no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    return problems
+
+
+def _tensor_names(file: Path) -> set[str] | None:
+    """The tensor names in safetensors file ``file``'s header; None when the file is shorter than its header says
+    (an interrupted write) or is not safetensors."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= size - 8:
+                return None
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return set(header) if 8 + n + end <= size else None
 
 
 @dataclass(frozen=True)
@@ -184,31 +251,50 @@ def _file_lock(lock_path: Path):
 
 
 def ensure_converted(path: Path) -> Path:
-    """The cached safetensors folder of GGUF file ``path``, converting it first when there is none."""
+    """The cached safetensors folder of GGUF file ``path``, converting it first when there is none or the one
+    there is incomplete."""
     path = Path(path)
     target = cached_dir(path)
-    if (target / MARKER).is_file():
+    if _complete(target):
         return target
-    require_gguf(str(path))
+    # a marker over missing files (an older nbtrain, converting on a distributed rank other than 0, wrote only the
+    # tokenizer): converted again below, replacing the folder
+    stale = _missing(target) if (target / MARKER).is_file() else []
+    try:
+        require_gguf(str(path))
+    except GGUFError:
+        if stale:
+            raise GGUFError(f"model {str(path)!r}: the cached copy in {target} is incomplete ({', '.join(stale)}) "
+                            "and cannot be converted again here: the gguf package is not installed. Delete that "
+                            f"folder, install the package with `{INSTALL}`, and run again") from None
+        raise
     with _file_lock(target.with_name(target.name + ".lock")):
-        if (target / MARKER).is_file():   # another process converted it while this one waited
+        if _complete(target):   # another process converted it while this one waited
             return target
-        _convert(path, target)
+        try:
+            _convert(path, target)
+        except (GGUFError, OSError) as e:
+            if stale:
+                raise GGUFError(f"model {str(path)!r}: the cached copy in {target} is incomplete "
+                                f"({', '.join(stale)}) and converting it again failed ({e}); delete that folder "
+                                "and run again") from e
+            raise
     return target
 
 
-def _convert(path: Path, target: Path) -> None:
+def _dequantize(path: Path):
+    """(tokenizer, model, marker data) of GGUF file ``path``: the model fp32, built from its config so that it
+    saves (the GGUF-loaded one does not). The ~20 s part of a conversion."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = read_config(path)
+    read_config(path)   # an architecture transformers cannot read: the message that names the ones it can
     kwargs = {"gguf_file": path.name}
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
         loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
     except (ValueError, KeyError) as e:
         raise _arch_error(path, e) from None
-    # the dequantized weights in a model built from the config, which (unlike the GGUF-loaded one) saves
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -218,17 +304,65 @@ def _convert(path: Path, target: Path) -> None:
     plain.tie_weights()
     plain.generation_config = loaded.generation_config
     arch, counts = _storage_types(path)
+    meta = {"source": str(path), "sha256": file_hash(path), "quant": _main_quant(counts),
+            "tensor_types": counts, "architecture": arch}
+    return tok, plain, meta
+
+
+def _convert(path: Path, target: Path) -> None:
+    tok, model, meta = _dequantize(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
-        plain.save_pretrained(tmp)
+        tensors = _save_model(model, tmp)
         tok.save_pretrained(tmp)
-        meta = {"source": str(path), "sha256": file_hash(path), "quant": _main_quant(counts),
-                "tensor_types": counts, "architecture": arch}
+        problems = _missing(tmp, tensors)
+        if problems:
+            raise GGUFError(f"model {str(path)!r}: converting it to {target} left {', '.join(problems)}, so nothing "
+                            f"was cached; check the free space under {target.parent} and run again")
         (tmp / MARKER).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        if target.exists():   # an interrupted conversion: no marker, so nothing in it is trusted
+        if target.exists():   # an interrupted or incomplete conversion: nothing in it is trusted
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_model(model, folder: Path) -> set[str]:
+    """What ``model.save_pretrained(folder)`` writes (config.json, generation_config.json, the weights without the
+    tied copies), on any rank: save_pretrained writes none of it on a torch.distributed rank other than 0. Returns
+    the names of the tensors written."""
+    from safetensors.torch import save_file
+
+    model.config.dtype = str(model.dtype).split(".")[-1]
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(folder)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    state = _state_to_save(model)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / WEIGHTS), metadata={"format": "pt"})
+    return set(state)
+
+
+def _state_to_save(model) -> dict:
+    """``model``'s state dict as save_pretrained writes it: one name per tied tensor (the one loading expects),
+    and in the checkpoint's names where transformers renames weights on load."""
+    state = model.state_dict()
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:   # another transformers: keep the first name of each storage (embed_tokens before lm_head)
+        seen, kept = set(), {}
+        for k, v in state.items():
+            key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+            if key not in seen:
+                seen.add(key)
+                kept[k] = v
+        state = kept
+    else:
+        state = remove_tied_weights_from_state_dict(state, model)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    return revert_weight_conversion(model, state)
