@@ -26,6 +26,7 @@ torch.set_num_threads(max(1, 2 // WORKERS))
 # worker would wait on the other's lock).
 LONGEST_FIRST = ("test_notebooks",          # 325
                  "test_browser",            # 189
+                 "test_notebook_alone",     # ~150: a clean environment from the built wheel, then notebook 01
                  "test_fsdp",               # 111, the start-up included
                  "test_memory_real",        # 123
                  "test_notebooks_real",     # 107
@@ -33,6 +34,7 @@ LONGEST_FIRST = ("test_notebooks",          # 325
                  "test_notebooks_rl",       # 93
                  "test_isolation",          # 82
                  "test_browser_results",    # 78
+                 "test_gguf_ranks",         # 55: two torchrun ranks, rank 1 converting SmolLM2
                  "test_distributed",        # 53
                  "test_memory_grpo",        # 50
                  "test_docs_site",          # 40: one notebook executed, the site built, three pages in Chromium

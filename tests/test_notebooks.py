@@ -7,7 +7,6 @@ Executed copies (with outputs) are written to test-artifacts/notebooks/ for a lo
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 import time
 from pathlib import Path

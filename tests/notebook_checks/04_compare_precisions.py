@@ -14,7 +14,7 @@ from nbtrain import verdicts
 assert v16.leaves_band_at is None
 assert "loss within seed noise at every step" in v16.text and "loss within seed noise at every step" in vb16.text
 assert vb16.skipped_steps == 0 and f"{v16.skipped_steps} skipped step" in v16.text   # only fp16 has a GradScaler
-if caps.device == "cpu":
+if cmp.results["fp16"].summary["device"] == "cpu":   # where the run trained, whatever capabilities() says
     assert v16.skipped_steps == vb16.skipped_steps == 0 and "0 skipped steps" in v16.text   # no fp16 overflow here
 # Speed: the words agree with the rule, recomputed here from the timings, whatever this machine measured.
 for name in ("fp16", "bf16"):
@@ -43,7 +43,7 @@ assert list(t.index) == ["fp32", "fp16", "bf16"] and (t["status"] == "max_steps"
 assert t["precision_used"].tolist() == ["fp32", "fp16", "bf16"]     # each ran in the precision it names
 assert (t["steps"] == cfg.max_steps).all() and (t["repeats"] == 3).all()
 assert np.isnan(t.loc[["fp32", "bf16"], "min_scale"]).all()          # only fp16 scales
-if caps.device == "cpu":   # measured on a CPU: no overflow, so the scale never left its start
+if cmp.results["fp16"].summary["device"] == "cpu":   # measured on a CPU: no overflow, so the scale never left its start
     assert (t["skipped_steps"] == 0).all() and t.loc["fp16", "min_scale"] == 2.0**16
 assert t.loc["fp32", "speedup"] == 1.0                               # the reference
 # The table's speed-up is the verdict's: the repeats' range, then their median (never a ± wider than the value).
@@ -66,7 +66,7 @@ assert np.array_equal(find_trace(fig, "loss_diff", "noise_band_high").y, width)
 assert np.array_equal(find_trace(fig, "loss_diff", "noise_band_low").y, -width)
 # %% after: 04-40
 assert answer_side == lr.verdicts["lr 1e-2"].direction
-if caps.device == "cpu":
+if lr.results["lr 1e-2"].summary["device"] == "cpu":
     assert answer_side == "lower"        # measured on a CPU: the 10x rate gets further down in 8 steps
 # %% after: 04-16
 assert outside, "the 10x learning rate should leave the seed-noise band"

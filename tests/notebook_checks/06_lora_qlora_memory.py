@@ -30,7 +30,7 @@ assert ckpt_est[True].total_gib < ckpt_est[False].total_gib
 # %% after: 06-33
 assert cmp.results["full, checkpointed"].config.gradient_checkpointing and not plain.config.gradient_checkpointing
 assert plain.summary["init_hash"] == ckpt.summary["init_hash"] and plain.summary["data_hash"] == ckpt.summary["data_hash"]
-if caps.device == "cpu":   # the loop counts its own tensors on a CPU: the checkpointed run kept fewer
+if plain.summary["device"] == "cpu":   # the loop counts its own tensors on a CPU: the checkpointed run kept fewer
     assert ckpt.summary["peak_host_tensors_gib"] < 0.8 * plain.summary["peak_host_tensors_gib"]
     assert (cmp.differences["full, checkpointed"] == 0).all()                # bit for bit on a CPU
 # %% after: 06-60
