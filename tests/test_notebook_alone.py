@@ -8,7 +8,7 @@ them beside the repository, on the development environment).
 Also the notebooks' install cell (each one's second cell): it installs the course's packages only where one is
 missing, so on an install it does nothing.
 
-``make test`` runs notebook 01 this way (the environment costs about a minute to make); ``make test-course`` runs
+``make test`` runs notebook 01 this way (making the environment costs 30-50 s on 2 cores); ``make test-course`` runs
 every notebook (marker ``course``), one environment for all. Executed copies go to test-artifacts/notebooks-alone/.
 """
 
@@ -140,7 +140,7 @@ def _text(cell) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)   # the first test also waits for the environment (about a minute on 2 cores)
+@pytest.mark.timeout(1500)   # the first test also waits for the environment to be made
 @pytest.mark.parametrize("path", [p if p.stem[:2] in IN_MAKE_TEST else pytest.param(p, marks=pytest.mark.course)
                                   for p in _paths()], ids=lambda p: p.stem)
 def test_notebook_runs_alone_from_the_wheel(path, alone_python, tmp_path, monkeypatch):

@@ -127,6 +127,7 @@ def assemble(only: list[str] | None, execute_notebooks: bool, timeout: int) -> l
     (SRC / "assets").mkdir(exist_ok=True)
     shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", SRC / "assets" / "plotly.min.js")
     shutil.copytree(ROOT / "nbtrain" / "configs", SRC / "nbtrain" / "configs")
+    (SRC / "notebooks").mkdir(exist_ok=True)
     names = []
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         if only and path.stem not in only:

@@ -7,13 +7,13 @@ import torch
 
 from ..config import ConfigError, TrainConfig
 from .loading import (ModelError, known_module_names, load_image_processor, load_tokenizer, local_source,
-                      resolve_source, source_notes, where_from)
+                      minilm_model, resolve_source, source_notes, where_from)
 from .methods import build_model
 from .presets import PRESETS, ModelPreset
 from .saving import save_model
 
 __all__ = ["PRESETS", "ModelError", "ModelPreset", "build_model", "check_lora_targets", "count_params",
-           "known_module_names", "load_image_processor", "load_tokenizer", "local_source", "resolve_source",
+           "known_module_names", "load_image_processor", "load_tokenizer", "local_source", "minilm_model", "resolve_source",
            "save_model", "source_notes", "where_from"]
 
 

