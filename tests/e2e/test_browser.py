@@ -524,10 +524,10 @@ def lab_real_model(tmp_path):
     assert srv.proc.poll() is not None
 
 
+@pytest.mark.course   # minutes of SmolLM2 under a browser: make test-course (08 runs alone from the wheel there too)
 def test_real_model_notebook_runs_all_in_jupyterlab(lab_real_model, smollm2):
     """Run All of notebook 08 in JupyterLab: every cell runs (its own asserts on SmolLM2's answers included), no
-    traceback, no browser console error, and nothing in the kernel's error record but the canary. (This is where 08
-    runs under make test: tests/test_notebooks.py runs it headless only where there is no browser.)"""
+    traceback, no browser console error, and nothing in the kernel's error record but the canary."""
     one_retry_on_stall(lab_real_model, lambda: _real_model_notebook(lab_real_model))
 
 

@@ -396,7 +396,9 @@ def _panel_session(page, cell, button) -> list[str]:
     expect(plot).to_be_visible(timeout=120_000)
     deadline = time.monotonic() + 180
     while not any(n >= 1 for n in plot.evaluate(_POINTS_PER_PANEL).values()):   # the first point drawn
-        assert time.monotonic() < deadline, "no point drawn in the live figure in 180 s"
+        # what the cell shows (the status line: the step reached, or an error) and whether Stop is still enabled
+        assert time.monotonic() < deadline, (f"no point drawn in the live figure in 180 s; Stop enabled: "
+                                             f"{stop.is_enabled()}; the cell shows:\n{cell.inner_text()[-2000:]}")
         time.sleep(0.2)
     problems += _width_problem(_layout(cell), "at the first point")
     drawn = PANELS - {"scale"}   # fp32 has no loss scale: that panel only says so
