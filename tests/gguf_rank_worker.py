@@ -1,6 +1,7 @@
-"""Run under torchrun by tests/test_gguf_ranks.py: with an empty cache, rank 1 converts the SmolLM2 preset's GGUF file
-while rank 0 waits, then both load the converted folder; each rank writes what it saw to OUT/rank<r>.json. Usage:
-    NBTRAIN_CACHE=<empty> torchrun --nproc_per_node 2 tests/gguf_rank_worker.py OUT
+"""Run under torchrun by tests/test_gguf_ranks.py: with an empty cache, rank 1 converts GGUF file GGUF (SmolLM2's,
+cut to two layers) while rank 0 waits, then both load the converted folder; each rank writes what it saw to
+OUT/rank<r>.json. Usage:
+    NBTRAIN_CACHE=<empty> torchrun --nproc_per_node 2 tests/gguf_rank_worker.py OUT GGUF
 """
 
 import json
@@ -16,7 +17,8 @@ RANK = dist.get_rank()
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from nbtrain.models import gguf, local_source, resolve_source  # noqa: E402
+from nbtrain.models import gguf, local_source  # noqa: E402
+from nbtrain.models.loading import ModelSource  # noqa: E402
 
 converted = []
 real_convert = gguf._convert
@@ -28,7 +30,7 @@ def convert(*args):
 
 
 gguf._convert = convert
-src = resolve_source("smollm2-135m-instruct")
+src = ModelSource("gguf", sys.argv[2])
 if RANK == 1:   # the non-zero rank converts first, alone ...
     folder = local_source(src).name
 dist.barrier()
