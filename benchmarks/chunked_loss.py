@@ -68,7 +68,7 @@ def _cpu_peak(variant, head, h, y, chunk, amp) -> int:
     return tr.peak
 
 
-def run(device: str, precision: str, shape: dict, repeats: int, warmup: int = 2) -> dict:
+def run(device: str, precision: str, shape: dict, repeats: int, warmup: int = 2, compiled: bool = True) -> dict:
     torch.manual_seed(0)
     n, hid, vocab, chunk = shape["tokens"], shape["hidden"], shape["vocab"], shape["chunk"]
     head = torch.nn.Linear(hid, vocab, bias=False, device=device)
@@ -77,7 +77,8 @@ def run(device: str, precision: str, shape: dict, repeats: int, warmup: int = 2)
     h = torch.randn(n, hid, device=device, requires_grad=True)
     y = torch.randint(0, vocab, (n,), device=device)
     amp = dict(device_type=device, dtype=torch.bfloat16, enabled=precision == "bf16")
-    variants = VARIANTS if precision == "bf16" else VARIANTS[:3]   # fp32 has no compiled chunk path
+    # fp32 has no compiled chunk path
+    variants = VARIANTS if precision == "bf16" and compiled else VARIANTS[:3]
     times = {v: [] for v in variants}
     losses, grads, peaks = {}, {}, {}
     for v in variants:
@@ -147,13 +148,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="leave out fused_compiled (torch.compile's first compilation takes ~30 s on a CPU)")
     args = ap.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     shape = dict(SHAPES[device])
     shape.update({k: v for k, v in (("tokens", args.tokens), ("vocab", args.vocab)) if v})
     repeats = args.repeats or (10 if device == "cuda" else 5)
     res = {"meta": meta(device, shape, repeats),
-           "precisions": [run(device, p, shape, repeats) for p in args.precisions.split(",")]}
+           "precisions": [run(device, p, shape, repeats, compiled=not args.no_compiled)
+                          for p in args.precisions.split(",")]}
     write(args.out, f"chunked_loss_{device}", res, markdown(res))
     return res
 

@@ -178,24 +178,25 @@ def test_gpu_plan_fits_and_aggregates(suite):
 
 def test_chunked_loss_benchmark_on_cpu(tmp_path):
     """benchmarks/chunked_loss.py at a small head: equal losses and gradients, and the traced peak memory of
-    the fused path below the recompute path's, below the plain path's. Speed is printed, not asserted."""
+    the fused path below the recompute path's, below the plain path's. Speed is printed, not asserted. Without
+    the compiled variant: its compilation is most of the time here, and tests/test_losses.py checks the compiled
+    chunk against eager."""
     spec = importlib.util.spec_from_file_location("chunked_loss_bench", ROOT / "benchmarks" / "chunked_loss.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    res = mod.main(["--cpu", "--tokens", "512", "--vocab", "8000", "--repeats", "2", "--out", str(tmp_path)])
+    res = mod.main(["--cpu", "--tokens", "512", "--vocab", "8000", "--repeats", "2", "--no-compiled",
+                    "--out", str(tmp_path)])
     assert (tmp_path / "chunked_loss_cpu.json").is_file() and (tmp_path / "chunked_loss_cpu.md").is_file()
     for p in res["precisions"]:
         rows = {r["variant"]: r for r in p["rows"]}
-        assert list(rows) == ["plain", "recompute", "fused"] + (["fused_compiled"] if p["precision"] == "bf16" else [])
+        assert list(rows) == ["plain", "recompute", "fused"]
         for r in rows.values():
             assert r["loss_rel_diff"] < 1e-5
             assert r["grad_h_rel_diff"] < (1e-5 if p["precision"] == "fp32" else 1e-2)
             assert r["grad_w_rel_diff"] < (1e-5 if p["precision"] == "fp32" else 1e-2)
         assert rows["fused"]["peak_gib"] < rows["recompute"]["peak_gib"] < rows["plain"]["peak_gib"]
-        compiled = rows.get("fused_compiled", {}).get("speed_vs_plain")
         print(f"\n{p['precision']}: speed vs plain: recompute {rows['recompute']['speed_vs_plain']:.2f}x, "
-              f"fused {rows['fused']['speed_vs_plain']:.2f}x" + (f", fused+compiled {compiled:.2f}x" if compiled else "")
-              + "; peak vs plain: recompute "
+              f"fused {rows['fused']['speed_vs_plain']:.2f}x; peak vs plain: recompute "
               f"{rows['recompute']['peak_vs_plain']:.2f}x, fused {rows['fused']['peak_vs_plain']:.2f}x")
 
 
