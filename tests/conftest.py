@@ -37,7 +37,7 @@ LONGEST_FIRST = ("test_real_model",         # 170
                  "test_distributed",        # 59
                  "test_docs_site",          # 58: one notebook executed, the site built, three pages in Chromium
                  "test_browser_layout",     # 57
-                 "test_gguf_ranks",         # ~30: two torchrun ranks, rank 1 converting a 2-layer SmolLM2
+                 "test_gguf_ranks",         # 53: two torchrun ranks, rank 1 converting a 2-layer SmolLM2
                  "test_ui",                 # 52
                  "test_notebooks")          # 40: notebook A2's other CPU branch, a wrong claim
 LAST = ("test_memory_fsdp",)
