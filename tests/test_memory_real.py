@@ -130,9 +130,9 @@ GRID = [(m, p) for m in ("full", "lora", "qlora") for p in ("fp32", "bf16", "fp1
 def test_every_method_and_precision_on_a_shortened_copy(smollm2, method, precision):
     if method == "qlora" and not HAVE_BNB:
         pytest.skip("needs bitsandbytes")
-    # fp16 matmuls are emulated on a CPU (~40 s a row at 256 tokens): its rows run 96 tokens, where the activations
+    # fp16 matmuls are emulated on a CPU (~40 s a row at 256 tokens): its rows run 48 tokens, where the activations
     # still weigh in; bf16's rows hold the same 2-byte activations at full length
-    kw = {"max_seq_len": 96} if precision == "fp16" else {}
+    kw = {"max_seq_len": 48} if precision == "fp16" else {}
     cfg = _config(smollm2[1], method, precision, **kw)
     if precision != "fp16" or nbtrain.hardware.capabilities("cpu").fp16_fast:
         _check(cfg)

@@ -241,7 +241,9 @@ def _with_checks(nb: dict, name: str) -> dict:
     return with_checks(nbformat.from_dict(nb), ROOT / "notebooks" / name)
 
 
-@pytest.fixture(params=["lab", "notebook"], ids=["jupyterlab", "notebook7"])
+# Notebook 7 runs in make test-course (the course's second frontend); make test keeps JupyterLab, where the Panel
+# tests also run
+@pytest.fixture(params=["lab", pytest.param("notebook", marks=pytest.mark.course)], ids=["jupyterlab", "notebook7"])
 def server(request, tmp_path):
     from .kernel_errors import RECORD_FILE, recorder_cell
 
