@@ -153,7 +153,10 @@ class TrainConfig(BaseModel):
     eval_every: Optional[int] = Field(None, ge=1, description="evaluate every N optimizer steps; blank = only at "
                                                               "the end")
     log_every: int = Field(1, ge=1, description="print every N steps (every step is recorded)")
-    seed: int = Field(0, ge=0, lt=2**32, description="data order, eval split and initial weights")
+    seed: int = Field(0, ge=0, lt=2**32, description="initial weights and the run's other randomness (dropout, "
+                                                     "sampling); also the data order while data seed is blank")
+    data_seed: Optional[int] = Field(None, ge=0, lt=2**32, description="data order and eval split; blank = seed "
+                                                                       "(as transformers' data_seed)")
     output_dir: Optional[str] = Field(None, description="write config, history and summary here")
     nonfinite: Optional[NonFinitePolicy] = Field(
         None, description="what a step with inf/nan does when no GradScaler skips it: skip, stop or continue "
@@ -538,6 +541,11 @@ class TrainConfig(BaseModel):
     def effective_batch_size(self) -> int:
         """Examples per optimizer step: micro_batch_size x grad_accum_steps."""
         return self.micro_batch_size * self.grad_accum_steps
+
+    @property
+    def data_order_seed(self) -> int:
+        """The seed of the data order and the eval split: ``data_seed``, or ``seed`` when that is None."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A validated copy with ``changes`` applied."""

@@ -44,16 +44,60 @@ def differences(histories: Mapping[str, Any], reference: str, column: str = "los
     return pd.DataFrame(out, index=ref.index)
 
 
+# The nulls a variant's difference can be held against: what the reference's reruns vary (compare(band=...)).
+#   init: other initial weights, the same batches and eval set (the default: what a paired difference leaves free)
+#   data: other batch orders and eval splits, the same initial weights
+#   rounding: the same initial weights perturbed by a relative ±scale (a format's unit roundoff), the same batches
+NULLS = ("init", "data", "rounding")
+NULL_NAMES = {"init": "init noise", "data": "data-order noise", "rounding": "rounding noise"}
+# bf16's unit roundoff (2^-8): the rounding band's default scale, what rounding the initial weights to bf16 moves them
+ROUNDING_SCALE = 2.0 ** -8
+# The loss rule's false-call rate: a variant drawn as the band's runs are is called beyond noise in this share of
+# comparisons (exact for normally distributed run means; measured by benchmarks/loss_rule.py, by simulation and
+# on real A/A draws of tiny).
+LOSS_ALPHA = 0.05
+# Student's t, 97.5% quantile, by degrees of freedom (two-sided 5%); beyond 30, 1.96 + 2.4/df (within 0.002)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """Student's t 97.5% quantile for ``df`` >= 1 degrees of freedom."""
+    if df < 1:
+        return math.inf
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
+
+
+def null_words(null: str, scale: Optional[float] = None) -> str:
+    """What a band's reruns varied, in a course reader's words."""
+    if null == "data":
+        return "reruns with other batch orders and eval splits, the same initial weights"
+    if null == "rounding":
+        s = ROUNDING_SCALE if scale is None else scale
+        return (f"reruns with each initial weight moved by up to ±{s:.2g} of itself (as rounding to a format of that "
+                "unit roundoff would), the same batches")
+    return "reruns with other initial weights, the same batches"
+
+
 @dataclass
 class SeedBand:
-    """The seed-to-seed noise of the reference: ``runs`` holds, per extra seed, its loss minus the reference
-    run's loss at each step; ``width`` is the band's half-width, the largest of their absolute values."""
+    """The noise of the reference's reruns: ``runs`` holds, per rerun (by its seed), its loss minus the reference
+    run's loss at each step; ``width`` is the band's half-width, the largest of their absolute values (drawn, and
+    where a run is described as outside it). ``null`` says what the reruns varied (NULLS); the verdict's rule
+    (:func:`loss_test`) holds a variant's mean difference against the reruns' mean differences."""
 
     reference_seed: int
     seeds: tuple[int, ...]
     runs: pd.DataFrame            # index step, one column per extra seed
     width: pd.Series              # index step
     column: str = "loss"          # what it is the band of: "loss", "eval_loss" or "eval_accuracy"
+    null: str = "init"            # what the reruns varied: "init", "data" or "rounding"
+    scale: Optional[float] = None   # the rounding band's relative perturbation
+
+    @property
+    def name(self) -> str:
+        """"init noise", "data-order noise" or "rounding noise"."""
+        return NULL_NAMES.get(self.null, "seed noise")
 
     def contains(self, diff: pd.Series) -> pd.Series:
         """Per common step, whether ``diff`` lies inside the band (NaN steps count as inside)."""
@@ -62,16 +106,62 @@ class SeedBand:
 
 
 def seed_band(reference_history: Any, seed_histories: Mapping[int, Any], reference_seed: int,
-              column: str = "loss") -> Optional[SeedBand]:
-    """The band of ``column`` differences between the reference run and the same variant under other seeds
-    (other initial weights and data order), on the steps all of them recorded; None without extra seeds."""
+              column: str = "loss", null: str = "init", scale: Optional[float] = None) -> Optional[SeedBand]:
+    """The band of ``column`` differences between the reference run and its reruns (``null`` says what they
+    varied: NULLS), on the steps all of them recorded; None without reruns."""
     if not seed_histories:
         return None
     ref = _series(reference_history, column)
     runs = pd.DataFrame({int(s): _series(h, column).reindex(ref.index) - ref for s, h in seed_histories.items()},
                         index=ref.index).dropna()
     return SeedBand(int(reference_seed), tuple(int(s) for s in seed_histories), runs,
-                    runs.abs().max(axis=1).rename("width"), column)
+                    runs.abs().max(axis=1).rename("width"), column, null, scale)
+
+
+@dataclass
+class LossTest:
+    """The rule a loss (or reward) verdict decides by: the variant's mean per-step difference from the reference,
+    against a 95% prediction interval of the same mean for a run drawn as the band's are.
+
+    The reference and its k reruns are k + 1 draws of the null (what the reruns vary, nothing else); their mean
+    differences from the reference are 0 (its own) and the reruns'. A new draw falls outside
+    ``center ± t(0.975, k) * sd * sqrt(1 + 1/(k + 1))`` in 5% of comparisons when run means are normal, whatever k;
+    the prediction interval already widens for a small k. Over steps, the mean uses every judged step, so no
+    multiple-step comparison inflates the rate (the old "any step outside the max-of-k band" called an A/A draw
+    beyond noise in most comparisons)."""
+
+    null: str
+    mean_diff: float               # the variant's mean difference over the judged steps
+    null_means: tuple[float, ...]  # the reference's (0.0) and each rerun's mean difference, the same steps
+    center: float                  # their mean
+    limit: float                   # the interval's half-width
+    steps: int                     # judged steps
+    beyond: bool
+
+    @property
+    def runs(self) -> int:
+        """Runs of the null: the reference and its reruns."""
+        return len(self.null_means)
+
+
+def loss_test(diff: pd.Series, band: SeedBand, alpha: float = LOSS_ALPHA) -> Optional[LossTest]:
+    """The variant's ``diff`` (per step, variant minus reference) held against ``band`` (:class:`LossTest`), on the
+    steps both have finite values; None without a step or a rerun. ``alpha`` is 0.05 only (the t table's)."""
+    if alpha != LOSS_ALPHA:
+        raise ValueError(f"alpha: only {LOSS_ALPHA} is tabulated, got {alpha!r}")
+    runs = band.runs.reindex(diff.index).dropna()
+    d = diff.reindex(runs.index)
+    keep = np.isfinite(d.to_numpy(dtype=float))
+    runs, d = runs[keep], d[keep]
+    if not len(d) or runs.shape[1] == 0:
+        return None
+    null = (0.0, *(float(runs[c].mean()) for c in runs.columns))
+    n = len(null)
+    center = statistics.fmean(null)
+    sd = statistics.stdev(null)
+    limit = t975(n - 1) * sd * math.sqrt(1 + 1 / n)
+    mean = float(d.mean())
+    return LossTest(band.null, mean, null, center, limit, int(len(d)), abs(mean - center) > limit + EDGE_TOL)
 
 
 def leaves_band(diff: pd.Series, band: SeedBand) -> Optional[int]:
@@ -246,6 +336,7 @@ class BandJudgement:
     outside: dict[str, list[int]] = field(default_factory=dict)
     judged_steps: int = 0
     nonfinite_at: list[int] = field(default_factory=list)   # steps whose value is NaN/inf: never judged inside
+    test: Optional[LossTest] = None         # the rule's numbers (loss_test), None without a band
     text: str = ""
 
 
@@ -264,6 +355,7 @@ class Verdict:
     direction: Optional[str] = None         # "lower" | "higher": the side most steps outside the band lie on
     outside: dict[str, list[int]] = field(default_factory=dict)   # "lower"/"higher" -> steps outside on that side
     judged_steps: int = 0                   # steps held against the band (both runs and the band have a value)
+    test: Optional[LossTest] = None         # the rule's numbers (loss_test): null, mean difference, limit
     skipped_steps: int = 0
     nonfinite_steps: int = 0
     scale_first: Optional[float] = None
@@ -282,7 +374,7 @@ class Verdict:
 
     @property
     def text(self) -> str:
-        """The verdict line, e.g. "bf16: 1.6x faster (±0.1), loss within seed noise at every step, 0 skipped"."""
+        """The verdict line, e.g. "bf16: 1.6x faster (±0.1), loss within init noise (mean ...), 0 skipped"."""
         panel = self.advice == "panel"
         return f"{self.variant}: " + ", ".join(getattr(p, "panel", p) if panel else p for p in self.parts)
 
@@ -393,16 +485,35 @@ _EVAL_BETTER = {"eval_accuracy": 1.0, "eval_loss": -1.0}
 EVAL_ROUNDING = {"eval_loss": 1e-4, "eval_accuracy": 1e-3}
 
 
-def _eval_text(column: str, diff: float, reference: str, width: Optional[float] = None) -> str:
-    """``diff`` called better or worse only beyond the seed band's ``width`` at that evaluation (when there is
-    one), and never within rounding (EVAL_ROUNDING)."""
+def eval_limit(band: SeedBand, step: int) -> Optional[tuple[float, float]]:
+    """(center, half-width) of the 95% prediction interval of an eval difference at ``step``, from the reference
+    (0) and its reruns' differences there (:class:`LossTest`'s rule on one value per run); None without them."""
+    if band is None or step not in band.runs.index:
+        return None
+    null = [0.0, *(float(x) for x in band.runs.loc[step] if math.isfinite(float(x)))]
+    if len(null) < 2:
+        return None
+    n = len(null)
+    return statistics.fmean(null), t975(n - 1) * statistics.stdev(null) * math.sqrt(1 + 1 / n)
+
+
+def _eval_text(column: str, diff: float, reference: str, band: Optional[SeedBand] = None,
+               step: Optional[int] = None) -> str:
+    """``diff`` called better or worse only beyond the band's 95% limit at that evaluation (:func:`eval_limit`),
+    and never within rounding (EVAL_ROUNDING). A data-order band's reruns held out other examples: an eval
+    difference is not judged against them (only runs on one eval set compare)."""
     better = "better" if diff * _EVAL_BETTER[column] > 0 else "worse"
     tol = EVAL_ROUNDING[column]
-    if width is not None and math.isfinite(width):
-        word = (f"{better}, beyond seed noise ±{width:.2g}" if abs(diff) > max(width, tol) + EDGE_TOL
-                else f"within seed noise ±{width:.2g}")
+    lim = eval_limit(band, step) if band is not None and band.null != "data" else None
+    if lim is not None:
+        center, width = lim
+        word = (f"{better}, beyond {band.name} {center:+.2g} ± {width:.2g}"
+                if abs(diff - center) > width + EDGE_TOL and abs(diff) > tol
+                else f"within {band.name} {center:+.2g} ± {width:.2g}")
     else:
         word = better if abs(diff) > tol else "same within rounding"
+        if band is not None and band.null == "data":
+            word += "; not judged against the data-order reruns, which held out other examples"
     return f"{column.replace('_', ' ')} {diff:+.3g} ({word}) vs {reference}"
 
 
@@ -421,33 +532,41 @@ def _steps_text(steps: Sequence[int], most: int = 3) -> str:
 
 
 def _loss_text(v: Any, judged: pd.Series, band: SeedBand, reference: str, label: str = "loss") -> str:
-    """The ``label`` headline against the band (the loss's, or a reward's), and ``v``'s direction / outside /
-    leaves_band_at set from it (``v``: a Verdict, or a BandJudgement).
+    """The ``label`` headline against the band (the loss's, or a reward's) and ``v``'s fields set from it
+    (``v``: a Verdict, or a BandJudgement).
 
-    The headline gives the side most out-of-band steps lie on (a tie goes to the side of the latest one: where
-    the run ended up), how many of the judged steps, from which step, and the largest signed difference on that
-    side (the largest, not the last: a run that comes back into the band still moved that far). Steps outside
-    on the other side are named after it, "briefly" when they are at most half as many."""
+    The decision is :func:`loss_test`'s (the mean difference against a 95% prediction interval of the reruns', a
+    5% false-call rate); the headline names the null and gives both numbers. Beyond it, the words then say where
+    the run left the reruns' range (the band drawn in the figure): on how many steps, from which, and the largest
+    signed difference on that side; steps outside on the other side are named after it, "briefly" when they are
+    at most half as many."""
     out = ~band.contains(judged)
     sides = {"lower": [int(k) for k in judged.index if out[k] and judged[k] < 0],
              "higher": [int(k) for k in judged.index if out[k] and judged[k] > 0]}
     v.outside = {k: st for k, st in sides.items() if st}
     v.judged_steps = len(judged)
-    if not v.outside:
+    test = loss_test(judged, band)
+    v.test = test
+    noise = band.name
+    if test is None:
+        v.within_noise = None
+        return f"{label}: no step to hold against the {noise} band"
+    numbers = (f"mean {test.mean_diff:+.2g} over {test.steps} step{'s' if test.steps != 1 else ''}; {noise} allows "
+               f"{test.center:+.2g} ± {test.limit:.2g}, 95%")
+    if not test.beyond:
         v.within_noise = True
-        return f"{label} within seed noise at every step"
+        return f"{label} within {noise} ({numbers})"
     v.within_noise = False
-    v.leaves_band_at = min(st[0] for st in v.outside.values())
-    n_low, n_high = len(sides["lower"]), len(sides["higher"])
-    if n_low != n_high:
-        v.direction = "lower" if n_low > n_high else "higher"
-    else:
-        v.direction = "lower" if sides["lower"][-1] > sides["higher"][-1] else "higher"
+    v.direction = "lower" if test.mean_diff < test.center else "higher"
+    text = f"{label} {v.direction} than {reference} beyond {noise} ({numbers})"
     mine = sides[v.direction]
+    if not mine:
+        return text
+    v.leaves_band_at = min(st[0] for st in v.outside.values())
     peak = max(mine, key=lambda k: (abs(judged[k]), -k))
     where = (f"step {mine[0]}: {judged[peak]:+.2g}" if len(mine) == 1
              else f"from step {mine[0]}; largest {judged[peak]:+.2g} at step {peak}")
-    text = f"{label} {v.direction} than {reference} beyond seed noise on {len(mine)} of {len(judged)} steps ({where})"
+    text += f"; outside the reruns' range on {len(mine)} of {len(judged)} steps ({where})"
     other_side = "higher" if v.direction == "lower" else "lower"
     other = sides[other_side]
     if other:
@@ -505,14 +624,14 @@ def reward_judgement(column: str, name: str, reference: str, history: Any, refer
     if band is not None and len(judged):
         texts.append(_loss_text(j, judged, band, reference, label))
     elif len(finite) and band is not None:
-        texts.append(f"{label}: no step to hold against the seed noise band")
+        texts.append(f"{label}: no step to hold against the {band.name} band")
     elif len(finite):
-        texts.append(f"{label} differs from {reference} by at most {j.max_abs_diff:.2g} (no seed band to judge it)")
+        texts.append(f"{label} differs from {reference} by at most {j.max_abs_diff:.2g} (no noise band to judge it)")
     if j.nonfinite_at:
         j.within_noise = False
         where = f"non-finite at {_steps_text(j.nonfinite_at)}"
-        if texts:   # "reward margin within seed noise at every finite step, non-finite at steps 4-5"
-            texts[-1] = texts[-1].replace(" at every step", " at every finite step") + ", " + where
+        if texts:   # "reward margin within init noise (mean ... over 6 steps ...), non-finite at steps 4-5"
+            texts[-1] = texts[-1] + ", " + where
         else:
             texts.append(f"{label} {where}")
     j.text = "; ".join(texts) or f"{label}: no step in common with {reference}"
@@ -556,11 +675,11 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
         v.seed_wall_s = {int(k): float(t) for k, t in (seed_wall_s or {}).items()}
         if band is not None and v.seed_wall_s:
             cost = sum(v.seed_wall_s.values())
-            v.parts.append(f"the reference (seed noise from seed runs {', '.join(map(str, v.seed_wall_s))}: "
-                           f"{cost:.1f} s)")
+            v.parts.append(f"the reference ({band.name} from {null_words(band.null, band.scale)}: seeds "
+                           f"{', '.join(map(str, v.seed_wall_s))}, {cost:.1f} s)")
         else:
-            v.parts.append("the reference" + (f" (seed noise from seeds {', '.join(map(str, band.seeds))})"
-                                              if band is not None else ""))
+            v.parts.append("the reference" + (f" ({band.name} from {null_words(band.null, band.scale)}: seeds "
+                                              f"{', '.join(map(str, band.seeds))})" if band is not None else ""))
     else:
         # an A/A copy's half-width widens the variant's own (without one the rule's calibration stands alone)
         aa = noise_floor(reference_timings, aa_timings) if _finite(aa_timings) else None
@@ -574,9 +693,9 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
         if band is not None and len(judged):
             v.parts.append(_loss_text(v, judged, band, reference))
         elif band is not None:
-            v.parts.append("no step to hold against the seed noise band")
+            v.parts.append(f"no step to hold against the {band.name} band")
         elif math.isfinite(v.max_abs_diff):
-            head = f"loss differs from {reference} by at most {v.max_abs_diff:.2g} (no seed band to judge it: "
+            head = f"loss differs from {reference} by at most {v.max_abs_diff:.2g} (no noise band to judge it: "
             v.parts.append(Words(head + "seeds=(0, 1, 2))", head + "set seeds to 3)"))
         for col in ("eval_accuracy", "eval_loss"):
             ev = differences({reference: reference_eval_history, name: eval_history}, reference, col)[name] \
@@ -584,10 +703,8 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
             ev = ev.dropna()
             if len(ev):
                 v.eval_diff = (col, float(ev.iloc[-1]))
-                eb = (eval_bands or {}).get(col)
-                width = eb.width.get(ev.index[-1]) if eb is not None else None
-                v.parts.append(_eval_text(col, v.eval_diff[1], reference,
-                                          float(width) if width is not None else None))
+                v.parts.append(_eval_text(col, v.eval_diff[1], reference, (eval_bands or {}).get(col),
+                                          int(ev.index[-1])))
                 break
         # A preference objective's rewards, judged like the loss; objective="lm" runs record none (no words).
         for col in REWARD_COLUMNS:

@@ -33,8 +33,9 @@ def test_training_arguments_fields():
     cfg = _config(precision="bf16", method="lora", lora_targets=["q_proj", "v_proj"], lora_r=4, lora_alpha=8,
                   micro_batch_size=2, grad_accum_steps=4, lr=2e-4, weight_decay=0.01, scheduler="constant",
                   warmup_steps=3, max_steps=30, max_grad_norm=None, seed=5, log_every=2, eval_every=10,
-                  gradient_checkpointing=True, save_every=15, output_dir="runs/t")
+                  gradient_checkpointing=True, save_every=15, output_dir="runs/t", data_seed=9)
     args = to_training_arguments(cfg)
+    assert args.data_seed == 9
     assert args.bf16 and not args.fp16
     assert args.use_cpu == (not torch.cuda.is_available())
     assert args.optim.value == ("adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch")

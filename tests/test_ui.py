@@ -81,6 +81,7 @@ CHANGES = {
     "eval_every": ("5", 5),
     "log_every": (3, 3),
     "seed": (7, 7),
+    "data_seed": ("5", 5),
     "output_dir": ("/tmp/nbtrain-out", "/tmp/nbtrain-out"),
     "nonfinite": ("stop", "stop"),
     "chunked_loss": (True, True),

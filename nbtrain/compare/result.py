@@ -54,6 +54,8 @@ class _SeedRuns:
 
     requested: tuple[int, ...] = ()
     reference_seed: Optional[int] = None
+    null: str = "init"                 # what the reruns vary (verdicts.NULLS)
+    scale: Optional[float] = None      # the rounding band's relative perturbation
     results: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -362,6 +364,8 @@ class ComparisonResult(ComparisonViews):
         #: extra seed -> wall time of its run, in seconds: the cost of the noise band
         self.seed_wall_s = {s: float(r.summary["wall_s"]) for s, r in self.seed_results.items()}
         self.seed_notes = list(seed_runs.notes)
+        #: what the reruns varied: "init", "data" or "rounding" (compare's ``band``), and the rounding band's scale
+        self.null, self.rounding = seed_runs.null, seed_runs.scale
         ref = self.results.get(reference)
         histories = {n: r.history for n, r in self.results.items()}
         evals = {n: r.eval_history for n, r in self.results.items()}
@@ -377,8 +381,8 @@ class ComparisonResult(ComparisonViews):
             if ref is not None and any(_has_values(e, "eval_accuracy") for e in evals.values()) else None)
         whole = {s: r.history for s, r in self.seed_results.items() if r.summary["stopped_reason"] in _COMPLETE}
         #: the reference's seed-to-seed noise (verdicts.SeedBand), None without seed runs
-        self.band = (_verdicts.seed_band(ref.history, whole, self.reference_seed)
-                     if ref is not None and whole else None)
+        self.band = (_verdicts.seed_band(ref.history, whole, self.reference_seed, null=self.null,
+                                         scale=self.rounding) if ref is not None and whole else None)
         #: the same for the evaluations ("eval_loss", and "eval_accuracy" for classification) -> SeedBand, where
         #: the reference and its whole seed runs evaluated at common steps: an eval difference inside it is no
         #: better or worse
@@ -407,8 +411,8 @@ class ComparisonResult(ComparisonViews):
         for col in ("eval_loss", "eval_accuracy"):
             seeds = {s: self.seed_results[s].eval_history for s in whole
                      if _has_values(self.seed_results[s].eval_history, col)}
-            band = (_verdicts.seed_band(ref.eval_history, seeds, self.reference_seed, column=col)
-                    if seeds and _has_values(ref.eval_history, col) else None)
+            band = (_verdicts.seed_band(ref.eval_history, seeds, self.reference_seed, column=col, null=self.null,
+                                        scale=self.rounding) if seeds and _has_values(ref.eval_history, col) else None)
             if band is not None and len(band.width):
                 out[col] = band
         return out
@@ -418,7 +422,8 @@ class ComparisonResult(ComparisonViews):
         out = {}
         for col in columns:
             seeds = {s: h for s, h in whole.items() if _verdicts.has_values(h, col)}
-            band = _verdicts.seed_band(ref.history, seeds, self.reference_seed, column=col) if seeds else None
+            band = (_verdicts.seed_band(ref.history, seeds, self.reference_seed, column=col, null=self.null,
+                                        scale=self.rounding) if seeds else None)
             if band is not None and len(band.width):
                 out[col] = band
         return out

@@ -30,6 +30,7 @@ from ..config import ConfigError, TrainConfig
 from ..data import DataError
 from ..engine import loop as _loop  # module, not function: tests wrap _loop._run to watch the run order
 from ..engine.threads import complete_imports
+from .. import verdicts as _verdicts
 from ..hardware import check_runnable
 from ..models import ModelError
 from .result import _COMPLETE, _CUT, ComparisonResult, _Outcome, _Schedule, _SeedRuns
@@ -47,14 +48,16 @@ INIT_FIELDS = ("model", "task", "data", "label_column", "method", "lora_r", "lor
 DATA_FIELDS = ("model", "task", "data", "text_column", "label_column", "max_seq_len", "subset", "packing",
                "eval_fraction", "micro_batch_size", "grad_accum_steps", "max_steps", "epochs", "data_format",
                "columns", "chat_template")
-# Fields that never explain a difference: changing them unpairs the runs.
-UNPAIRING_FIELDS = ("seed",)
+# Fields that unpair the runs when they change the data order (TrainConfig.data_order_seed): data_seed, or seed
+# while data_seed is blank. A seed changed with the data order held changes the initial weights only, on purpose
+# (an A/A draw of the default noise band: the same batches, other initial weights).
+UNPAIRING_FIELDS = ("seed", "data_seed")
 
 # The fields a bad input can depend on: a DataError or ModelError of the first run is every variant's when no
 # variant sets one of these (or the field the message starts with, "lora_targets: ...") differently.
 INPUT_FIELDS = {
     DataError: ("model", "task", "data", "text_column", "label_column", "image_column", "max_seq_len", "subset",
-                "packing", "eval_fraction", "seed", "data_format", "columns", "chat_template", "train_on"),
+                "packing", "eval_fraction", "seed", "data_seed", "data_format", "columns", "chat_template", "train_on"),
     ModelError: ("model", "task", "data", "label_column", "method", "quant_bits", "lora_targets"),
 }
 # What a message's first word names when it is not a field: a batch is cut by the micro batch size.
@@ -85,7 +88,8 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
             variants: Optional[Mapping[str, Mapping[str, Any]]] = None,
             repeats: int = 1, callbacks=None, warmup: bool = True, stop=None,
             reference: Optional[str] = None, seeds: Sequence[int] = (), aa: bool = False,
-            progress: Optional[Callable[[dict], None]] = None) -> ComparisonResult:
+            progress: Optional[Callable[[dict], None]] = None, band: str = "init",
+            rounding: float = _verdicts.ROUNDING_SCALE) -> ComparisonResult:
     """Train ``cfg`` once per variant in this process and return a side-by-side ComparisonResult.
 
     Without ``variants`` there is one variant per name in ``precisions``. ``variants`` maps a name to
@@ -101,10 +105,15 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
     difference counts only outside the noise floor: the reference's own range over 3 or more repeats, or, with
     ``aa=True``, how far an unrecorded identical copy of the reference, run in every repeat inside the rotation,
     differs from it (``aa_timings``).
-    ``seeds`` (e.g. ``(0, 1, 2)``) runs the reference again, after the variants, under each seed other than
-    its own (other initial weights and data order; no callbacks, no outputs): the spread of those runs' loss
-    around the reference's is the noise band a variant's difference is judged against (``band``,
-    ``verdicts``); the extra runs are in ``seed_results`` with their wall times. ``callbacks``
+    ``seeds`` (e.g. ``(0, 1, 2)``) runs the reference again, after the variants, once per seed other than its
+    own (no callbacks, no outputs): the spread of those reruns' loss around the reference's is the noise a
+    variant's difference is judged against (``band``, ``verdicts``: its mean difference against a 95% prediction
+    interval of theirs, a 5% false-call rate). ``band`` says what the reruns vary: "init" (the default) their
+    initial weights only (``seed``; the same batches and eval set, as the variants share them), "data" their batch
+    order and eval split only (``data_seed``: "does this matter more than the data order does?"), "rounding" none
+    of that but each initial weight moved by a relative ±``rounding`` drawn per seed (default 2^-8, bf16's unit
+    roundoff: "did this change the learning more than rounding that size would?"). The reruns are in
+    ``seed_results`` with their wall times. ``callbacks``
     (e.g. one LiveDashboard) see every variant's recorded run; records carry ``.variant``. ``warmup`` keeps
     cold and drawn steps out of the speed: each timed run's first step (what a process or a precision does once:
     lazy imports, allocator set-up, first kernels) is not in its tokens/s, and with ``repeats`` >= 2 the recorded
@@ -128,6 +137,11 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
         raise ValueError(f"repeats: must be >= 1, got {repeats!r}")
     repeats = int(repeats)
     seeds = _seed_list(seeds)
+    if band not in _verdicts.NULLS:
+        raise ValueError(f"band: one of {list(_verdicts.NULLS)}, got {band!r}")
+    if not (isinstance(rounding, (int, float)) and not isinstance(rounding, bool) and 0 < rounding < 1):
+        raise ValueError(f"rounding: a relative perturbation in (0, 1), e.g. 2**-8 (bf16's unit roundoff), "
+                         f"got {rounding!r}")
     complete_imports(cfg)   # callbacks may start threads (a live figure); the imports are done by then
     base = cfg
     if subset is not None or max_steps is not None:
@@ -167,7 +181,7 @@ def compare(cfg: TrainConfig, precisions: Sequence[str] = ("fp32", "fp16", "bf16
         if copy is not None:
             schedule.aa_timings = [t for t, _ in copy.timings] if reference == wanted else []
             schedule.aa_notes += copy.notes
-        seed_runs = _SeedRuns(requested=seeds)
+        seed_runs = _SeedRuns(requested=seeds, null=band, scale=float(rounding) if band == "rounding" else None)
         if seeds and ref_o.result is not None:
             halted = _run_seeds(ref_o, seeds, seed_runs, stop, halted, progress)
     warns = _check_fairness(outcomes, reference)
@@ -450,16 +464,22 @@ def _unrecorded(cfg: TrainConfig, **changes) -> TrainConfig:
     return cfg.replace(output_dir=None, report_to=[], sample_prompts=[], **changes)
 
 
-def _seed_config(cfg: TrainConfig, seed: int) -> TrainConfig:
-    """The reference's config under another seed."""
-    return _unrecorded(cfg, seed=seed)
+def _seed_config(cfg: TrainConfig, seed: int, null: str = "init") -> TrainConfig:
+    """The reference's config for its rerun under ``seed``: other initial weights on the same data order ("init"),
+    another data order on the same initial weights ("data"), or the same config ("rounding": the rerun perturbs its
+    initial weights instead)."""
+    if null == "init":
+        return _unrecorded(cfg, seed=seed, data_seed=cfg.data_order_seed)
+    if null == "data":
+        return _unrecorded(cfg, data_seed=seed)
+    return _unrecorded(cfg)
 
 
 def _run_seeds(ref: _Outcome, seeds: tuple[int, ...], runs: _SeedRuns, stop,
                halted: Optional[str], progress=None) -> Optional[str]:
     """Run ``ref``'s config under each seed of ``seeds`` but its own, into ``runs``; returns ``halted``."""
-    runs.reference_seed = ref.config.seed
-    others = [s for s in seeds if s != ref.config.seed]
+    runs.reference_seed = ref.config.data_order_seed if runs.null == "data" else ref.config.seed
+    others = [s for s in seeds if s != runs.reference_seed]
     for k, seed in enumerate(others, 1):
         halted = halted or _stop_requested(stop)
         if halted:
@@ -468,8 +488,9 @@ def _run_seeds(ref: _Outcome, seeds: tuple[int, ...], runs: _SeedRuns, stop,
         phases = _Phases(progress, dict(phase="seed", variant=ref.name, seed=seed, k=k, n=len(others)))
         phases.tell("load")
         try:
-            res = _loop._run(_seed_config(ref.config, seed), phases.callbacks(), stop_event=_RunStop(stop),
-                             variant=f"{ref.name} (seed {seed})")
+            res = _loop._run(_seed_config(ref.config, seed, runs.null), phases.callbacks(), stop_event=_RunStop(stop),
+                             variant=f"{ref.name} (seed {seed})",
+                             perturb_init=(runs.scale, seed) if runs.null == "rounding" else None)
         except KeyboardInterrupt:
             halted = "interrupted"
             runs.notes.append(f"seed {seed}: interrupted before its first step")
@@ -578,6 +599,13 @@ def _changed_fields(a: TrainConfig, b: TrainConfig) -> list[str]:
     return [k for k in da if k != "output_dir" and da[k] != db[k]]
 
 
+def _unpairing(ref: TrainConfig, other: TrainConfig) -> list[str]:
+    """The field that changes ``other``'s data order from ``ref``'s ([] when the order is the same)."""
+    if ref.data_order_seed == other.data_order_seed:
+        return []
+    return ["data_seed" if ref.data_seed != other.data_seed else "seed"]
+
+
 def _check_fairness(outcomes: list[_Outcome], reference: str) -> list[str]:
     """Compare each run's init and data hash with the reference's; set ``fair`` and notes, return warnings."""
     ref = next((o for o in outcomes if o.name == reference and o.result is not None), None)
@@ -591,9 +619,9 @@ def _check_fairness(outcomes: list[_Outcome], reference: str) -> list[str]:
             continue
         s = o.result.summary
         changed = _changed_fields(ref.config, o.config)
-        unpaired = [f for f in changed if f in UNPAIRING_FIELDS]
+        unpaired = _unpairing(ref.config, o.config)
         problems = []
-        for what, key, by_design in (("initial weights", "init_hash", INIT_FIELDS),
+        for what, key, by_design in (("initial weights", "init_hash", INIT_FIELDS + ("seed",)),
                                      ("batches", "data_hash", DATA_FIELDS)):
             if s.get(key) == ref_s.get(key):
                 continue

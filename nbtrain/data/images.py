@@ -341,7 +341,7 @@ def load_image_data(cfg: TrainConfig, processor: Any) -> DataBundle:
     n_rows = len(images)
     if cfg.subset is not None:
         images, labels = images[: cfg.subset], labels[: cfg.subset]
-    train_idx, eval_idx = split_indices(len(images), cfg.eval_fraction, cfg.seed)
+    train_idx, eval_idx = split_indices(len(images), cfg.eval_fraction, cfg.data_order_seed)
     keep = train_idx + eval_idx
     pixels = preprocess(processor, [_decoded(images, i, rows.where) for i in keep])
     if pixels.dim() != 4 or pixels.shape[0] != len(keep):

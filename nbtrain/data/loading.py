@@ -118,7 +118,7 @@ def load_data(cfg: TrainConfig, tokenizer) -> DataBundle:
     if cfg.subset is not None:
         texts = texts[: cfg.subset]
         labels = labels[: cfg.subset] if labels is not None else None
-    train_idx, eval_idx = split_indices(len(texts), cfg.eval_fraction, cfg.seed)
+    train_idx, eval_idx = split_indices(len(texts), cfg.eval_fraction, cfg.data_order_seed)
 
     def pick(idx: list[int]) -> tuple[list[str], list[int] | None]:
         return [texts[i] for i in idx], ([labels[i] for i in idx] if labels is not None else None)
@@ -174,7 +174,7 @@ def _load_chat(cfg: TrainConfig, tokenizer, rows: _Rows, pad_token_id: int) -> D
     if cfg.subset is not None:
         convs = convs[: cfg.subset]
     added = chat.ensure_chat_tokens(tokenizer, cfg)   # before tokenizing: the template's markers are single tokens
-    train_idx, eval_idx = split_indices(len(convs), cfg.eval_fraction, cfg.seed)
+    train_idx, eval_idx = split_indices(len(convs), cfg.eval_fraction, cfg.data_order_seed)
     packing = bool(cfg.packing)
     train, tcounts = chat.tokenize_conversations(tokenizer, cfg, [convs[i] for i in train_idx], cfg.max_seq_len)
     evals, ecounts = chat.tokenize_conversations(tokenizer, cfg, [convs[i] for i in eval_idx], cfg.max_seq_len)

@@ -288,7 +288,7 @@ def load_preference(cfg: TrainConfig, tokenizer, parts: list, source: str, pad_t
     if cfg.subset is not None:
         pairs = pairs[: cfg.subset]
     added = chat.ensure_chat_tokens(tokenizer, cfg)   # before tokenizing: the template's markers are single tokens
-    train_idx, eval_idx = split_indices(len(pairs), cfg.eval_fraction, cfg.seed)
+    train_idx, eval_idx = split_indices(len(pairs), cfg.eval_fraction, cfg.data_order_seed)
     train, tc = tokenize_pairs(tokenizer, cfg, [pairs[i] for i in train_idx], cfg.max_seq_len)
     evals, ec = tokenize_pairs(tokenizer, cfg, [pairs[i] for i in eval_idx], cfg.max_seq_len)
     counts = {k: tc[k] + ec[k] for k in tc}

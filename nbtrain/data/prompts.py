@@ -87,7 +87,7 @@ def load_prompts(cfg: TrainConfig, tokenizer, parts: list, source: str, pad_toke
     added = chat.ensure_chat_tokens(tokenizer, cfg) if any(not isinstance(p, str) for p, _ in rows) else []
     ids, cut = tokenize_prompts(tokenizer, cfg, [p for p, _ in rows], cfg.max_seq_len)
     examples = [{"input_ids": t, "prompt": p, "columns": c} for t, (p, c) in zip(ids, rows)]
-    train_idx, eval_idx = split_indices(len(examples), cfg.eval_fraction, cfg.seed)
+    train_idx, eval_idx = split_indices(len(examples), cfg.eval_fraction, cfg.data_order_seed)
     conversational = sum(not isinstance(p, str) for p, _ in rows)
     stats: dict[str, Any] = {
         "rows": sum(len(part.records) for part in parts), "documents": len(rows), "prompts": len(rows),

@@ -41,8 +41,8 @@ _REQUIRED: dict[str, tuple[type, ...]] = {
 
 # Config fields that shape the run: a checkpoint continues only a run with the same values.
 RESUME_KEYS = ("model", "task", "data", "subset", "max_seq_len", "micro_batch_size", "grad_accum_steps",
-               "method", "lora_r", "lora_alpha", "lora_targets", "quant_bits", "seed", "packing", "eval_fraction",
-               "text_column", "label_column", "scheduler", "warmup_steps", "lr", "precision", "max_grad_norm",
+               "method", "lora_r", "lora_alpha", "lora_targets", "quant_bits", "seed", "data_seed", "packing",
+               "eval_fraction", "text_column", "label_column", "scheduler", "warmup_steps", "lr", "precision", "max_grad_norm",
                "weight_decay", "optimizer", "stochastic_rounding")
 
 _STEP_RE = re.compile(r"step-(\d+)")

@@ -196,7 +196,7 @@ class GrpoObjective:
         for k in range(b * self.prompts_per_step, (b + 1) * self.prompts_per_step):
             epoch, pos = divmod(k, n)
             if epoch not in self._orders:
-                self._orders = {epoch: epoch_order(n, self.st.cfg.seed, epoch)}
+                self._orders = {epoch: epoch_order(n, self.st.cfg.data_order_seed, epoch)}
             out.append(self._orders[epoch][pos])
         return out
 

@@ -33,11 +33,12 @@ from .threads import spawn
 
 
 def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event] = None,
-         variant: Optional[str] = None, hash_init: bool = False, timing: Optional[str] = None) -> TrainResult:
+         variant: Optional[str] = None, hash_init: bool = False, timing: Optional[str] = None,
+         perturb_init: Optional[tuple[float, int]] = None) -> TrainResult:
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a TrainConfig, got {type(cfg).__name__}")
     stop_event = stop_event or threading.Event()
-    st = prepare(cfg, callbacks, variant=variant, hash_init=hash_init)
+    st = prepare(cfg, callbacks, variant=variant, hash_init=hash_init, perturb_init=perturb_init)
     st.info.timing = timing
     cfg, dist, device, optimizer, scaler = st.cfg, st.dist, st.device, st.optimizer, st.scaler
     objective = st.objective   # the loss of a micro-batch: next-token, DPO / ORPO / SimPO, or GRPO (engine.grpo_run)

@@ -49,8 +49,8 @@ def data_steps(st, start_step: int):
     from ..data import iter_steps
 
     cfg = st.cfg
-    return iter_steps(st.data.train, cfg.micro_batch_size * st.dist.world, cfg.grad_accum_steps, cfg.seed,
-                      st.data.pad_token_id, st.data.task, start_step=start_step)
+    return iter_steps(st.data.train, cfg.micro_batch_size * st.dist.world, cfg.grad_accum_steps,
+                      cfg.data_order_seed, st.data.pad_token_id, st.data.task, start_step=start_step)
 
 
 class LMObjective:

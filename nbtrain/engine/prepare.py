@@ -90,9 +90,11 @@ class RunState:
 
 @defers_bitsandbytes
 def prepare(cfg: TrainConfig, callbacks=None, variant: Optional[str] = None, hash_init: bool = False,
-            device: Optional[str] = None) -> RunState:
+            device: Optional[str] = None, perturb_init: Optional[tuple[float, int]] = None) -> RunState:
     """Build everything the loop needs; raises (ConfigError, DataError, ModelError, CheckpointError) before any
-    step runs. The process-wide torch flags of the run's precision stay set until ``state.restore`` closes."""
+    step runs. The process-wide torch flags of the run's precision stay set until ``state.restore`` closes.
+    ``perturb_init`` (scale, seed): the initial weights perturbed as :func:`perturb_weights` does (compare()'s
+    rounding band)."""
     device = device or default_device()
     caps = capabilities(device)
     precision = check_runnable(cfg, caps)   # the device's question, asked when a run needs the answer
@@ -107,7 +109,7 @@ def prepare(cfg: TrainConfig, callbacks=None, variant: Optional[str] = None, has
     restore = contextlib.ExitStack()
     restore.enter_context(global_torch_state(PRECISION_TABLE[precision]))
     try:
-        st = _build(cfg, callbacks, variant, hash_init, device, caps, precision)
+        st = _build(cfg, callbacks, variant, hash_init, device, caps, precision, perturb_init)
     except BaseException:
         restore.close()
         raise
@@ -115,7 +117,22 @@ def prepare(cfg: TrainConfig, callbacks=None, variant: Optional[str] = None, has
     return st
 
 
-def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunState:
+def perturb_weights(model: torch.nn.Module, scale: float, seed: int) -> str:
+    """Multiply every floating-point weight by (1 + u), u drawn uniformly in [-scale, scale] from a generator of its
+    own (``seed``), as rounding each weight to a format of unit roundoff ``scale`` would move it; returns the note.
+    Drawn on the CPU in float32, so the same seed moves the same weights alike on any device."""
+    gen = torch.Generator().manual_seed(int(seed))
+    n = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                u = torch.rand(p.shape, generator=gen, dtype=torch.float32).mul_(2 * scale).sub_(scale)
+                p.mul_(u.add_(1).to(p.device, p.dtype))
+                n += p.numel()
+    return f"initial weights perturbed: each of {n:,} times (1 + u), u uniform in ±{scale:.3g} (draw {seed})"
+
+
+def _build(cfg, callbacks, variant, hash_init, device, caps, precision, perturb_init=None) -> RunState:
     spec = PRECISION_TABLE[precision]
     # Under torchrun / accelerate launch: one process per rank, the same loop; rank 0 alone observes and writes.
     notes: list[str] = []
@@ -160,6 +177,8 @@ def _build(cfg, callbacks, variant, hash_init, device, caps, precision) -> RunSt
         model = build_model(cfg, tokenizer, data.num_labels, precision, build_on, label_names=data.label_names)
     notes.extend(source_notes(cfg.model))   # a GGUF model: what its weights were dequantized from
     notes.extend(method_notes(model))   # e.g. the added chat tokens' rows that train under LoRA
+    if perturb_init is not None:
+        notes.append(perturb_weights(model, *perturb_init))
     init_hash = weights_hash(model) if hash_init else None
     # bf16 weights (bf16-pure) or float8 linears (fp8) after the hash: every precision starts from one init
     notes.extend(apply_tensor_precision(model, spec, caps.fp8_native))

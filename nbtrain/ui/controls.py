@@ -489,6 +489,7 @@ def make_codecs(model_options: list[str], data_options: list[str], precision_dis
                                    _text("Eval every (steps)", "blank: at the end")),
         "log_every": _int("log_every", "Log every (steps)"),
         "seed": _int("seed", "Seed"),
+        "data_seed": _with_widget(_optional_int("the seed's order"), _text("Data seed", "blank: = seed")),
         "output_dir": _with_widget(_optional_str("not saving"),
                                    _text("Output dir", "blank: don't save", WIDE_CONTROL_WIDTH)),
         "nonfinite": Codec(_dropdown("Non-finite step", [("default", _NONFINITE_DEFAULT), ("skip it", "skip"),

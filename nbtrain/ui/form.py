@@ -79,7 +79,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     # under the panel's own "Processes" box (not a TrainConfig field), which comes first on this tab
     "Processes": ("sharding", "reshard_after_forward"),
     "Training": ("lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
-                 "eval_every", "log_every", "seed", "nonfinite", "output_dir", "save_every", "resume_from",
+                 "eval_every", "log_every", "seed", "data_seed", "nonfinite", "output_dir", "save_every", "resume_from",
                  "chunked_loss", "loss_chunk_tokens", "compile", "sample_prompts", "sample_every", "max_new_tokens"),
 }
 

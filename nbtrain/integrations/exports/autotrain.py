@@ -202,7 +202,7 @@ def autotrain_config(cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, str]]:
         notes["eval_fraction"] = (f"eval_fraction={cfg.eval_fraction}: AutoTrain evaluates only on a named "
                                   "valid_split; none is set")
     notes.update(non_default_notes(
-        cfg, ("subset", "eval_every", "save_every", "nonfinite", "auto_batch_size", "resume_from"),
+        cfg, ("subset", "eval_every", "save_every", "nonfinite", "auto_batch_size", "resume_from", "data_seed"),
         "has no AutoTrain key"))
     notes.update(non_default_notes(cfg, NBTRAIN_ONLY, "is an nbtrain speed/memory option with no AutoTrain key "
                                                        "(the same training without it)"))

@@ -81,8 +81,8 @@ LLAMAFACTORY_FIELDS = (
     "model", "task", "data", "max_seq_len", "subset", "precision", "micro_batch_size", "grad_accum_steps",
     "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant_bits", "gradient_checkpointing",
     "lr", "weight_decay", "scheduler", "warmup_steps", "max_steps", "epochs", "max_grad_norm", "packing",
-    "eval_fraction", "eval_every", "log_every", "seed", "output_dir", "save_every",
-    "data_format", "columns", "chat_template", "train_on", "optimizer", "sharding", "reshard_after_forward",
+    "eval_fraction", "eval_every", "log_every", "seed", "data_seed", "output_dir",
+    "save_every", "data_format", "columns", "chat_template", "train_on", "optimizer", "sharding", "reshard_after_forward",
     "dataset_entry", "objective", "pref_beta", "simpo_gamma",
 )
 # nbtrain's preference objectives as LLaMA-Factory's stage dpo pref_loss, and back
@@ -363,6 +363,8 @@ def _llamafactory_sections(cfg: TrainConfig, dataset_dir: Optional[str] = None
     # LLaMA-Factory passes optim (and optim_args) on to TrainingArguments: transformers' names
     train.update(max_grad_norm=cfg.max_grad_norm or 0.0, weight_decay=cfg.weight_decay, seed=cfg.seed,
                  optim=OPTIM_NAMES[cfg.optimizer])
+    if cfg.data_seed is not None:   # passed on to TrainingArguments(data_seed=...): the batch order's seed
+        train["data_seed"] = cfg.data_seed
     if cfg.optimizer == "sgd":
         train["optim_args"] = SGD_OPTIM_ARGS
     # bf16-pure: LLaMA-Factory's pure_bf16 (bf16 weights, no autocast; its web UI writes bf16 false beside it);
@@ -551,6 +553,8 @@ def _read_llamafactory(path, overrides):
     norm = r.take("max_grad_norm", float)
     kw["max_grad_norm"] = norm if norm and norm > 0 else None   # 0 disables clipping in both
     kw["seed"] = r.take("seed", int)
+    if r.has("data_seed"):
+        kw["data_seed"] = r.take("data_seed", int)
     kw["output_dir"] = str(r.take("output_dir"))
     log = r.take("logging_steps", float)
     if log >= 1 and float(log).is_integer():

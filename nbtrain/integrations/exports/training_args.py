@@ -81,6 +81,9 @@ def training_arguments_kwargs(cfg: TrainConfig, output_dir: Optional[str] = None
         max_grad_norm=cfg.max_grad_norm or 0.0,
         max_steps=cfg.max_steps if cfg.max_steps is not None else -1,
         seed=cfg.seed,
+        # the Trainer's data_seed orders the batches as nbtrain's does (None: the seed); nbtrain's also draws the
+        # eval split, which the Trainer takes as given
+        data_seed=cfg.data_seed,
         logging_strategy="steps",
         logging_steps=cfg.log_every,
         # a nan/inf loss must show as such (DESIGN rule 5); the Trainer's default hides it behind an average
