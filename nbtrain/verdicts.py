@@ -507,9 +507,9 @@ def _eval_text(column: str, diff: float, reference: str, band: Optional[SeedBand
     lim = eval_limit(band, step) if band is not None and band.null != "data" else None
     if lim is not None:
         center, width = lim
-        word = (f"{better}, beyond {band.name} {center:+.2g} ± {width:.2g}"
+        word = (f"{better}, beyond {band.name} {_center(center, width)} ± {width:.2g}"
                 if abs(diff - center) > width + EDGE_TOL and abs(diff) > tol
-                else f"within {band.name} {center:+.2g} ± {width:.2g}")
+                else f"within {band.name} {_center(center, width)} ± {width:.2g}")
     else:
         word = better if abs(diff) > tol else "same within rounding"
         if band is not None and band.null == "data":
@@ -529,6 +529,11 @@ def _steps_text(steps: Sequence[int], most: int = 3) -> str:
     more = len(groups) - most
     text = ", ".join(parts[:most]) + (f" and {more} more" if more > 0 else "")
     return ("step " if len(steps) == 1 else "steps ") + text
+
+
+def _center(center: float, limit: float) -> str:
+    """A null's center as the words print it: 0 when it is under 1% of the limit (a sum's rounding, -3.7e-17)."""
+    return "0" if abs(center) < 0.01 * limit else f"{center:+.2g}"
 
 
 def _loss_text(v: Any, judged: pd.Series, band: SeedBand, reference: str, label: str = "loss") -> str:
@@ -552,7 +557,7 @@ def _loss_text(v: Any, judged: pd.Series, band: SeedBand, reference: str, label:
         v.within_noise = None
         return f"{label}: no step to hold against the {noise} band"
     numbers = (f"mean {test.mean_diff:+.2g} over {test.steps} step{'s' if test.steps != 1 else ''}; {noise} allows "
-               f"{test.center:+.2g} ± {test.limit:.2g}, 95%")
+               f"{_center(test.center, test.limit)} ± {test.limit:.2g}, 95%")
     if not test.beyond:
         v.within_noise = True
         return f"{label} within {noise} ({numbers})"
@@ -626,7 +631,7 @@ def reward_judgement(column: str, name: str, reference: str, history: Any, refer
     elif len(finite) and band is not None:
         texts.append(f"{label}: no step to hold against the {band.name} band")
     elif len(finite):
-        texts.append(f"{label} differs from {reference} by at most {j.max_abs_diff:.2g} (no noise band to judge it)")
+        texts.append(f"{label} differs from {reference} by at most {j.max_abs_diff:.2g} (no seed band to judge it)")
     if j.nonfinite_at:
         j.within_noise = False
         where = f"non-finite at {_steps_text(j.nonfinite_at)}"
@@ -695,7 +700,7 @@ def verdict(name: str, reference: str, history: Any, reference_history: Any, sum
         elif band is not None:
             v.parts.append(f"no step to hold against the {band.name} band")
         elif math.isfinite(v.max_abs_diff):
-            head = f"loss differs from {reference} by at most {v.max_abs_diff:.2g} (no noise band to judge it: "
+            head = f"loss differs from {reference} by at most {v.max_abs_diff:.2g} (no seed band to judge it: "
             v.parts.append(Words(head + "seeds=(0, 1, 2))", head + "set seeds to 3)"))
         for col in ("eval_accuracy", "eval_loss"):
             ev = differences({reference: reference_eval_history, name: eval_history}, reference, col)[name] \

@@ -8,6 +8,8 @@ from __future__ import annotations
 import html as htmllib
 import math
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -26,7 +28,7 @@ STEP = np.arange(1, STEPS + 1)
 MARGIN = 0.05 * STEP
 ACCURACY = np.array([0.5, 0.5, 0.75, 0.75, 0.75, 1.0, 1.0, 1.0])
 LOSS = math.log(2) - 0.01 * STEP
-SEED_MOVES = {1: (0.02, 0.25, 0.003), 2: (-0.03, -0.25, -0.002)}   # (margin, accuracy, loss)
+SEED_MOVES = {1: (0.02, 0.125, 0.003), 2: (-0.03, -0.125, -0.002)}   # (margin, accuracy, loss)
 
 
 def history(margin, accuracy, loss=LOSS, *, nonfinite=(), objective="dpo") -> pd.DataFrame:
@@ -161,7 +163,7 @@ def test_the_reward_bands_are_the_seed_runs_differences(pref):
 
 def test_a_variant_far_outside_the_reward_band_is_flagged_where_it_leaves_it(pref):
     v = pref.verdicts["fp16"]
-    assert v.within_noise is True and "loss within seed noise at every step" in v.text   # its loss is the ref's
+    assert v.within_noise is True and "loss within init noise (mean +0 over" in v.text   # its loss is the ref's
     for col, label in (("reward_margin", "reward margin"), ("reward_accuracy", "reward accuracy")):
         j = v.rewards[col]
         diff = pref.reward_differences[col]["fp16"]
@@ -171,8 +173,10 @@ def test_a_variant_far_outside_the_reward_band_is_flagged_where_it_leaves_it(pre
         assert j.outside == {"lower": outside}
         at = int(diff.index[int(np.argmin(diff.to_numpy()))])   # the first step of the largest drop
         assert at == (3 if col == "reward_margin" else 6)
-        assert j.text == (f"{label} lower than fp32 beyond seed noise on {len(outside)} of {STEPS} steps "
-                          f"(from step 3; largest {diff[at]:+.2g} at step {at})")
+        assert j.text.startswith(f"{label} lower than fp32 beyond init noise (mean {diff.mean():+.2g} over {STEPS} "
+                                 "steps; init noise allows "), j.text
+        assert j.text.endswith(f"95%); outside the reruns' range on {len(outside)} of {STEPS} steps "
+                               f"(from step 3; largest {diff[at]:+.2g} at step {at})"), j.text
         assert j.text in v.text
     # flagged in the HTML, though its loss is within the band and nothing was skipped
     assert '<li style="color:#b45309"><b>fp16</b>' in pref.summary_html()
@@ -182,7 +186,7 @@ def test_a_variant_inside_the_reward_band_is_the_same(pref):
     v = pref.verdicts["bf16"]
     for col, label in (("reward_margin", "reward margin"), ("reward_accuracy", "reward accuracy")):
         assert v.rewards[col].within_noise is True and v.rewards[col].judged_steps == STEPS
-        assert f"{label} within seed noise at every step" in v.text
+        assert f"{label} within init noise (mean" in v.text
     assert '<li style="color:#222"><b>bf16</b>' in pref.summary_html()
     # the reference is the reference: no reward words of its own
     assert not pref.verdicts["fp32"].rewards and "reward" not in pref.verdicts["fp32"].text
@@ -193,7 +197,8 @@ def test_non_finite_rewards_are_named_and_never_judged_inside(pref):
     j = v.rewards["reward_margin"]
     assert j.nonfinite_at == [4, 5] and j.within_noise is False
     assert j.judged_steps == STEPS - 2          # the NaN steps are not averaged into the band's judgement
-    assert "reward margin within seed noise at every finite step, non-finite at steps 4-5" in v.text
+    assert re.search(rf"reward margin within init noise \(mean [^)]* over {STEPS - 2} steps; [^)]*\), non-finite at "
+                     r"steps 4-5", v.text), v.text
     assert "2 non-finite steps" in v.text
 
 

@@ -129,13 +129,17 @@ def test_seed_runs_are_the_reference_under_the_other_seeds(judged):
     ref_cfg = cmp.configs["fp32"]
     for _, c, cb in seed_runs:
         assert cb is None and c.output_dir is None                        # no user callbacks, nothing written
-        assert c.replace(seed=0).to_dict() == {**ref_cfg.to_dict(), "output_dir": None}
+        # the default band: other initial weights (seed), the reference's data order held (data_seed)
+        assert c.data_seed == ref_cfg.data_order_seed == 0
+        assert c.replace(seed=0).to_dict() == {**ref_cfg.to_dict(), "output_dir": None, "data_seed": 0}
     assert ran[-2:] == seed_runs                                          # after the variants
     assert seen.variants == ["fp32", "fp16", "same", "lr10"]              # the user's callbacks saw variants only
     assert set(cmp.seed_results) == {1, 2} and cmp.reference_seed == 0
     assert cmp.seed_wall_s == {s: r.summary["wall_s"] for s, r in cmp.seed_results.items()}
     for r in cmp.seed_results.values():
-        assert r.history.loss.iloc[0] != cmp.results["fp32"].history.loss.iloc[0]   # other weights, other data
+        assert r.history.loss.iloc[0] != cmp.results["fp32"].history.loss.iloc[0]   # other weights
+        assert r.summary["data_hash"] == cmp.results["fp32"].summary["data_hash"]   # the same batches
+        assert r.summary["init_hash"] != cmp.results["fp32"].summary["init_hash"]
 
 
 def test_band_is_the_recorded_seed_runs_differences_and_drawn_as_plus_minus_width(judged):
@@ -163,7 +167,8 @@ def test_band_is_the_recorded_seed_runs_differences_and_drawn_as_plus_minus_widt
     assert f"seed runs {each}" in htmllib.unescape(cmp.summary_html())
     assert f"seed runs {each}" in cmp.format_table()
     total = sum(cmp.seed_wall_s.values())
-    assert cmp.verdicts["fp32"].text == f"fp32: the reference (seed noise from seed runs 1, 2: {total:.1f} s)"
+    assert cmp.verdicts["fp32"].text == ("fp32: the reference (init noise from reruns with other initial weights, the "
+                                         f"same batches: seeds 1, 2, {total:.1f} s)")
 
 
 def test_worse_variants_leave_the_band_at_the_step_computed_here_and_identical_is_within_noise(judged):
@@ -177,14 +182,17 @@ def test_worse_variants_leave_the_band_at_the_step_computed_here_and_identical_i
         d = cmp.differences[name].reindex(width.index)
         out = d.abs() > width + verdicts.EDGE_TOL
         low, high = list(d.index[out & (d < 0)]), list(d.index[out & (d > 0)])
-        direction = "lower" if (len(low), low[-1:]) > (len(high), high[-1:]) else "higher"   # the side most lie on
+        # the direction is the mean difference's, against the reference's and its reruns' mean differences
+        null = [0.0, *(cmp.band.runs[c].mean() for c in cmp.band.runs.columns)]
+        direction = "lower" if d.mean() < np.mean(null) else "higher"
         mine = low if direction == "lower" else high
         assert v.direction == direction
         judged = int(d.notna().sum())   # the steps both runs and the band have
-        assert f"loss {direction} than fp32 beyond seed noise on {len(mine)} of {judged} steps" in v.text
+        assert f"loss {direction} than fp32 beyond init noise (mean {d.mean():+.2g} over {judged} steps" in v.text
+        assert f"outside the reruns' range on {len(mine)} of {judged} steps" in v.text
     same = cmp.verdicts["same"]
     assert same.within_noise is True and same.leaves_band_at is None and same.max_abs_diff == 0.0
-    assert "loss within seed noise at every step" in same.text
+    assert f"loss within init noise (mean +0 over {same.judged_steps} steps" in same.text
 
 
 def test_overflow_verdict_states_the_skipped_steps_and_the_scale_drop(judged):
@@ -326,7 +334,7 @@ def test_panel_noise_band_control_runs_the_seeds_and_shows_verdicts_and_the_diff
     assert cmp is not None and cmp.seeds == (5, 6) and list(cmp.seed_results) == [6]
     assert cmp.band is not None and cmp.seed_results[6].config.seed == 6
     assert 'class="nbt-verdicts"' in panel.verdicts.value
-    assert "seed noise from seed runs 6" in panel.verdicts.value
+    assert "init noise from reruns with other initial weights, the same batches: seeds 6" in panel.verdicts.value
     assert panel.summary_area.children == (panel.verdicts, panel.comparison_table)
     # one variant: the live figure had no difference row; the difference panel comes after it, with the band,
     # and the table's notes (under the figure, so that the answer fits the screen) last
@@ -360,8 +368,9 @@ def test_cli_compare_takes_seeds(tmp_path, capsys):
     tiny_cfg(max_steps=2, eval_fraction=0.0).to_yaml(cfg_path)
     assert main(["compare", str(cfg_path), "--precisions", "fp32", "--seeds", "0,1"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^fp32: the reference \(seed noise from seed runs 1: \d+\.\d s\)$", out, re.M)
-    assert re.search(r"noise band: 'fp32' again under seed 1 .*seed runs 1: \d+\.\d s", out)
+    assert re.search(r"^fp32: the reference \(init noise from reruns with other initial weights, the same batches: "
+                     r"seeds 1, \d+\.\d s\)$", out, re.M)
+    assert re.search(r"noise band \(init noise: .*\): 'fp32' again under seed 1 .*seed runs 1: \d+\.\d s", out)
     with pytest.raises(SystemExit):
         main(["compare", str(cfg_path), "--seeds", "0,x"])
 

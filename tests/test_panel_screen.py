@@ -172,4 +172,4 @@ def test_a_compare_with_seeds_draws_its_band_in_the_figures_difference_row():
     band = next(t for t in fig.data if t.meta["kind"] == "noise_band_high")
     line = next(t for t in fig.data if t.meta["kind"] == "loss_diff")
     assert (band.xaxis, band.yaxis) == (line.xaxis, line.yaxis)    # in the difference row, with its lines
-    assert any("grey: seed noise" in (a.text or "") for a in fig.layout.annotations)
+    assert any("grey: init noise" in (a.text or "") for a in fig.layout.annotations)

@@ -41,5 +41,6 @@ def test_the_loss_verdict_says_which_way_the_variant_left_the_band(directions, n
     assert len(mine) > len(outside) - len(mine), "premise: most steps outside lie on that side"
     v = cmp.verdicts[name]
     assert v.direction == way and v.leaves_band_at == outside[0] and v.outside[way] == mine
-    assert (f"loss {way} than ref beyond seed noise on {len(mine)} of {len(width)} steps "
+    assert f"loss {way} than ref beyond init noise (mean" in v.text
+    assert (f"outside the reruns' range on {len(mine)} of {len(width)} steps "
             f"({'step' if len(mine) == 1 else 'from step'} {mine[0]}") in v.text

@@ -68,8 +68,13 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
                      timings=[160, 150, 170], reference_timings=[100, 100, 100], band=band)
     assert good.within_noise and good.leaves_band_at is None
     assert good.max_abs_diff == pytest.approx(0.05)
+    # the null's run means: the reference's 0 and the reruns' +0.1 and -0.05; t(0.975, 2 df) = 4.303
+    center, half = np.mean([0, 0.1, -0.05]), 4.303 * np.std([0, 0.1, -0.05], ddof=1) * np.sqrt(1 + 1 / 3)
+    assert (good.test.center, good.test.limit) == (pytest.approx(center), pytest.approx(half, rel=1e-3))
+    assert good.test.mean_diff == pytest.approx(0.02) and good.test.steps == 4 and good.test.null == "init"
     assert good.text == (f"bf16: faster than fp32 (1.50-1.70x, median 1.60x over 3 repeats; noise "
-                         f"±{good.speed.floor:.0%}, 1% false-ranking rule), loss within seed noise at every step")
+                         f"±{good.speed.floor:.0%}, 1% false-ranking rule), loss within init noise (mean +0.02 over "
+                         "4 steps; init noise allows +0.017 ± 0.38, 95%)")
     assert good.speed == V.speed([160, 150, 170], [100, 100, 100])
 
     fp16 = hist([5.0, 5.0, 5.0, 3.5], scale=[65536.0, 32768.0, 16384.0, 8192.0])
@@ -82,11 +87,13 @@ def test_verdict_lines_state_speed_noise_and_skips_from_the_records():
     assert bad.speed.state == "too noisy"   # three repeats that disagree, ±9% jitter: no claim either way
     assert bad.text == (f"fp16: speed too noisy to judge here (0.95-1.05x, median 1.01x over 3 repeats; noise "
                         f"±{bad.speed.floor:.0%}, 1% false-ranking rule): rerun with repeats=5 on a quiet machine, "
-                        "loss higher than fp32 beyond seed noise on 3 of 4 steps (from step 2; largest +2 at step 3), "
+                        "loss higher than fp32 beyond init noise (mean +1.1 over 4 steps; init noise allows +0.017 ± "
+                        "0.38, 95%); outside the reruns' range on 3 of 4 steps (from step 2; largest +2 at step 3), "
                         "3 skipped steps (scale 65,536 → 8,192)")
 
     ref_v = V.verdict("fp32", "fp32", ref, ref, {"skipped_steps": 0}, band=band)
-    assert ref_v.is_reference and ref_v.text == "fp32: the reference (seed noise from seeds 1, 2)"
+    assert ref_v.is_reference and ref_v.text == ("fp32: the reference (init noise from reruns with other initial "
+                                                 "weights, the same batches: seeds 1, 2)")
 
 
 def test_verdict_without_a_band_says_how_to_get_one_and_never_ranks_one_timing():
@@ -122,14 +129,21 @@ def test_an_eval_difference_is_better_or_worse_only_beyond_rounding_or_the_seed_
     assert "eval loss -1.3e-06 (same within rounding) vs fp32" in say(-1.3e-6)
     assert "better" not in say(-1.3e-6) and "worse" not in say(+9e-5)
     assert "eval loss +0.002 (worse) vs fp32" in say(0.002)
-    # a band of the seed runs' eval differences: inside it, neither better nor worse
+    # a band of the reruns' eval differences: inside its 95% limit (the reference's 0 and the reruns' +0.03 and
+    # -0.02: center +0.0033, half-width 4.303 x sd x sqrt(4/3) = 0.125), neither better nor worse
     seeds = {1: ev_ref.assign(eval_loss=4.53), 2: ev_ref.assign(eval_loss=4.48)}
     band = V.seed_band(ev_ref, seeds, 0, column="eval_loss")
     assert band.column == "eval_loss" and band.width.loc[2] == pytest.approx(0.03)
-    inside = say(-0.02, eval_bands={"eval_loss": band})
-    assert "eval loss -0.02 (within seed noise ±0.03) vs fp32" in inside
+    assert V.eval_limit(band, 2)[1] == pytest.approx(4.303 * np.std([0, 0.03, -0.02], ddof=1) * np.sqrt(4 / 3),
+                                                     rel=1e-3)
+    inside = say(-0.1, eval_bands={"eval_loss": band})
+    assert "eval loss -0.1 (within init noise +0.0033 ± 0.13) vs fp32" in inside
     assert "better" not in inside and "worse" not in inside
-    assert "eval loss -0.05 (better, beyond seed noise ±0.03) vs fp32" in say(-0.05, eval_bands={"eval_loss": band})
+    assert "eval loss -0.2 (better, beyond init noise +0.0033 ± 0.13) vs fp32" in say(-0.2, eval_bands={"eval_loss": band})
+    # a data-order band's reruns held out other examples: not judged against them
+    data = V.seed_band(ev_ref, seeds, 0, column="eval_loss", null="data")
+    assert "eval loss -0.2 (better; not judged against the data-order reruns, which held out other examples)" in \
+        say(-0.2, eval_bands={"eval_loss": data})
     # a band of another column says nothing of this one
     assert "(better) vs fp32" in say(-0.05, eval_bands={"eval_accuracy": band})
     # accuracy: one unit of the table's 0.1% is the rounding
@@ -193,26 +207,52 @@ def test_no_ratio_of_one_is_ever_called_faster_or_slower():
 
 def test_the_loss_verdict_says_which_way_the_loss_went():
     ref = hist([5.0, 4.0, 3.0, 2.0])
-    band = V.seed_band(ref, {1: hist([5.1, 4.1, 3.1, 2.1])}, 0)
+    # reruns +0.1 and -0.1 at every step: the null's means 0, +0.1, -0.1; 95% limit 0 ± 4.303 x 0.1 x sqrt(4/3)
+    band = V.seed_band(ref, {1: hist([5.1, 4.1, 3.1, 2.1]), 2: hist([4.9, 3.9, 2.9, 1.9])}, 0)
     lower = V.verdict("lr10", "a", hist([5.0, 3.5, 2.0, 1.0]), ref, {}, band=band)
+    assert lower.test.limit == pytest.approx(4.303 * 0.1 * np.sqrt(4 / 3), rel=1e-3)
     assert lower.direction == "lower" and lower.leaves_band_at == 2 and lower.judged_steps == 4
-    assert "loss lower than a beyond seed noise on 3 of 4 steps (from step 2; largest -1 at step 3)" in lower.text
+    assert ("loss lower than a beyond init noise (mean -0.62 over 4 steps; init noise allows 0 ± 0.5, 95%); "
+            "outside the reruns' range on 3 of 4 steps (from step 2; largest -1 at step 3)") in lower.text
     assert lower.outside == {"lower": [2, 3, 4]}
     higher = V.verdict("lr1000", "a", hist([5.0, 4.05, 7.0, 9.0]), ref, {}, band=band)
     assert higher.direction == "higher" and higher.leaves_band_at == 3
-    assert "loss higher than a beyond seed noise on 2 of 4 steps (from step 3; largest +7 at step 4)" in higher.text
+    assert "outside the reruns' range on 2 of 4 steps (from step 3; largest +7 at step 4)" in higher.text
     assert ";" not in higher.text.split("(from step 3; ")[1]   # nothing on the other side to name
-    # one step on each side: a tie goes to the side where the run ended up, the other is named
-    both = V.verdict("x", "a", hist([5.0, 3.5, 3.0, 4.0]), ref, {}, band=band)
+    # the direction is the mean's; a step outside on the other side is named after it
+    both = V.verdict("x", "a", hist([5.0, 3.5, 3.0, 5.0]), ref, {}, band=band)
     assert both.direction == "higher" and both.leaves_band_at == 2
-    assert "loss higher than a beyond seed noise on 1 of 4 steps (step 4: +2); also lower at step 2" in both.text
+    assert "on 1 of 4 steps (step 4: +3); also lower at step 2" in both.text
+    # within the limit: no direction, whatever single steps did
+    small = V.verdict("z", "a", hist([5.0, 3.5, 3.0, 2.0]), ref, {}, band=band)
+    assert small.within_noise and small.direction is None and small.outside == {"lower": [2]}
+    assert "loss within init noise (mean -0.12 over 4 steps" in small.text
     # mostly lower, but the last step is above the band: said, with where it ends
-    ends = V.verdict("y", "a", hist([5.0, 3.5, 2.0, 1.0, 1.0, 9.0]), hist([5.0, 4.0, 3.0, 2.0, 1.5, 1.0]), {},
-                     band=V.seed_band(hist([5.0, 4.0, 3.0, 2.0, 1.5, 1.0]), {1: hist([5.1, 4.1, 3.1, 2.1, 1.6, 1.1])},
-                                      0))
+    r6 = hist([5.0, 4.0, 3.0, 2.0, 1.5, 1.0])
+    ends = V.verdict("y", "a", hist([5.0, 3.0, 2.0, 1.0, 0.5, 1.5]), r6, {},
+                     band=V.seed_band(r6, {1: hist([5.1, 4.1, 3.1, 2.1, 1.6, 1.1]),
+                                           2: hist([4.9, 3.9, 2.9, 1.9, 1.4, 0.9])}, 0))
     assert ends.direction == "lower"
-    assert ends.text.endswith("on 4 of 6 steps (from step 2; largest -1 at step 3); briefly higher at step 6, "
+    assert ends.text.endswith("on 4 of 6 steps (from step 2; largest -1 at step 2); briefly higher at step 6, "
                               "where it ends")
+
+
+def test_the_rule_holds_the_mean_against_a_prediction_interval_of_the_null():
+    """loss_test's numbers on fixed inputs: the null is the reference (0) and the reruns' mean differences over the
+    judged steps, and the decision is |mean - center| > t(0.975, k) x sd x sqrt(1 + 1/(k+1))."""
+    idx = pd.Index([1, 2, 3], name="step")
+    runs = pd.DataFrame({1: [0.1, 0.2, 0.3], 2: [-0.1, 0.0, -0.2], 3: [0.0, 0.1, 0.2]}, index=idx)
+    band = V.SeedBand(0, (1, 2, 3), runs, runs.abs().max(axis=1))
+    means = [0.0, 0.2, -0.1, 0.1]
+    half = 3.182 * np.std(means, ddof=1) * np.sqrt(1 + 1 / 4)
+    at = V.loss_test(pd.Series([0.0, 0.0, 0.0], index=idx) + np.mean(means) + half * 0.99, band)
+    assert at.null_means == pytest.approx(tuple(means)) and at.runs == 4 and at.limit == pytest.approx(half, rel=1e-3)
+    assert not at.beyond
+    assert V.loss_test(pd.Series([1.0, 1.0, 1.0], index=idx) * (np.mean(means) + half * 1.01), band).beyond
+    # a step the variant did not record (NaN) is left out of every run's mean alike
+    part = V.loss_test(pd.Series([np.nan, 0.0, 0.0], index=idx), band)
+    assert part.steps == 2 and part.null_means == pytest.approx((0.0, 0.25, -0.1, 0.15))
+    assert V.t975(1) == 12.706 and V.t975(2) == 4.303 and V.t975(100) == pytest.approx(1.984, abs=0.002)
 
 
 def test_steps_are_named_in_runs():

@@ -346,9 +346,11 @@ class ComparisonViews:
             total = sum(self.seed_wall_s.values())
             each = ", ".join(f"{s}: {t:.1f} s" for s, t in self.seed_wall_s.items())
             plural = "s" if len(self.seed_results) > 1 else ""
-            lines.append(f"noise band: {self.reference!r} again under seed{plural} "
-                         f"{', '.join(map(str, self.seed_results))} (seed {self.reference_seed} is its own run); "
-                         f"seed runs {each}, {total:.1f} s in all")
+            null = getattr(self, "null", "init")
+            lines.append(f"noise band ({_verdicts.NULL_NAMES.get(null, 'seed noise')}: "
+                         f"{_verdicts.null_words(null, getattr(self, 'rounding', None))}): {self.reference!r} again "
+                         f"under seed{plural} {', '.join(map(str, self.seed_results))} (seed {self.reference_seed} is "
+                         f"its own run); seed runs {each}, {total:.1f} s in all")
         return lines + [f"noise band: {n}" for n in self.seed_notes]
 
     def _verdicts_html(self) -> str:

@@ -489,7 +489,7 @@ def _run_seeds(ref: _Outcome, seeds: tuple[int, ...], runs: _SeedRuns, stop,
         phases.tell("load")
         try:
             res = _loop._run(_seed_config(ref.config, seed, runs.null), phases.callbacks(), stop_event=_RunStop(stop),
-                             variant=f"{ref.name} (seed {seed})",
+                             variant=f"{ref.name} (seed {seed})", hash_init=True,
                              perturb_init=(runs.scale, seed) if runs.null == "rounding" else None)
         except KeyboardInterrupt:
             halted = "interrupted"

@@ -824,7 +824,12 @@ _BAND_FILL = "rgba(110, 110, 110, 0.18)"   # light, so the difference lines draw
 
 
 def _diff_title(reference: str, band: Any) -> str:
-    return f"loss − {reference}, per step" + (" (grey: seed noise)" if band is not None else "")
+    return f"loss − {reference}, per step" + (f" (grey: {_band_name(band)})" if band is not None else "")
+
+
+def _band_name(band: Any) -> str:
+    """"init noise", "data-order noise" or "rounding noise" (a band from before bands had a null: "seed noise")."""
+    return getattr(band, "name", None) or "seed noise"
 
 
 def difference_traces(histories: Mapping[str, Any], reference: str,
@@ -849,13 +854,13 @@ def difference_traces(histories: Mapping[str, Any], reference: str,
         seeds = ", ".join(map(str, band.seeds))
         meta = {"run": None, "panel": "loss_diff"}
         traces.append(go.Scatter(x=x, y=w, mode="lines", line=dict(width=0, color=_BAND_FILL), hoverinfo="skip",
-                                 showlegend=False, name="seed noise (upper edge)",
+                                 showlegend=False, name=f"{_band_name(band)} (upper edge)",
                                  meta={**meta, "kind": "noise_band_high"}))
         # fill="tonexty" fills up to the trace just before: the upper edge.
         traces.append(go.Scatter(x=x, y=-w, mode="lines", line=dict(width=0, color=_BAND_FILL), fill="tonexty",
-                                 fillcolor=_BAND_FILL, name=f"seed noise ({reference}, seeds {seeds})",
+                                 fillcolor=_BAND_FILL, name=f"{_band_name(band)} ({reference}, seeds {seeds})",
                                  customdata=w, legendgroup="noise_band",
-                                 hovertemplate=("step %{x}<br>seed noise ±%{customdata:.3g} nats"
+                                 hovertemplate=(f"step %{{x}}<br>{_band_name(band)}: reruns' range ±%{{customdata:.3g}} nats"
                                                 "<extra>seeds " + seeds + "</extra>"),
                                  meta={**meta, "kind": "noise_band_low"}))
     diff = differences(cols, reference)
