@@ -128,8 +128,12 @@ def checks_of(path: Path) -> list[tuple[str, str]]:
 def with_checks(nb, path: Path):
     """``nb`` with the library checks of tests/notebook_checks inserted after their cells (tagged ``check``)."""
     ids = [c.get("id") for c in nb.cells]
-    for cell_id, code in reversed(checks_of(path)):
+    checks = checks_of(path)
+    for cell_id, _ in checks:
         assert cell_id in ids, f"notebook_checks/{path.stem}.py: no cell with id {cell_id!r} in {path.name}"
+    # from the last cell up, so that each insert leaves the places of the ones still to come; blocks of one cell
+    # keep the file's order
+    for cell_id, code in sorted(reversed(checks), key=lambda c: ids.index(c[0]), reverse=True):
         cell = nbformat.v4.new_code_cell(code)
         cell.metadata["tags"] = ["check"]
         nb.cells.insert(ids.index(cell_id) + 1, cell)

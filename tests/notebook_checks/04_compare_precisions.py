@@ -11,8 +11,8 @@ import statistics
 
 from nbtrain import verdicts
 
-assert v16.leaves_band_at is None
-assert "loss within seed noise at every step" in v16.text and "loss within seed noise at every step" in vb16.text
+assert v16.test.null == vb16.test.null == "init" and v16.test.runs == 3
+assert "loss within init noise (mean" in v16.text and "loss within init noise (mean" in vb16.text
 assert vb16.skipped_steps == 0 and f"{v16.skipped_steps} skipped step" in v16.text   # only fp16 has a GradScaler
 if cmp.results["fp16"].summary["device"] == "cpu":   # where the run trained, whatever capabilities() says
     assert v16.skipped_steps == vb16.skipped_steps == 0 and "0 skipped steps" in v16.text   # no fp16 overflow here
@@ -35,7 +35,24 @@ for name in ("fp16", "bf16"):
                 else "speed too noisy to judge here" in v.text)
 # %% after: 04-36
 assert largest_diff == {n: cmp.verdicts[n].max_abs_diff for n in ("fp16", "bf16")}
-assert all(0 < d < cmp.band.width.min() for d in largest_diff.values())   # both far inside the band
+assert all(0 < d < cmp.band.width.min() for d in largest_diff.values())   # both far inside the init-noise band
+# %% after: 04-22
+for scale, rc in rounding.items():
+    assert rc.null == "rounding" and rc.rounding == scale and rc.band.null == "rounding"
+    assert f"rounding noise from reruns with each initial weight moved by up to ±{scale:.2g}" in rc.verdicts["fp32"].text
+    for name in ("fp16", "bf16"):
+        v = rc.verdicts[name]
+        # the rule recomputed here: the reference's 0 and the reruns' mean differences, t(0.975, 2) = 4.303
+        null = [0.0, *(rc.band.runs[c].mean() for c in rc.band.runs.columns)]
+        half = 4.303 * np.std(null, ddof=1) * np.sqrt(1 + 1 / 3)
+        d = rc.differences[name].reindex(rc.band.runs.index)
+        assert abs(v.test.limit - half) <= 1e-3 * half
+        assert v.within_noise == (abs(d.mean() - np.mean(null)) <= half * (1 + 1e-6))
+        assert ("within rounding noise" in v.text) == v.within_noise
+# the same weights and batches as the variants: the rounding reruns' hashes
+for rc in rounding.values():
+    ref_s = rc.results["fp32"].summary
+    assert all(r.summary["data_hash"] == ref_s["data_hash"] for r in rc.seed_results.values())
 # %% after: 04-10
 from nbtrain import verdicts
 
@@ -69,13 +86,15 @@ assert answer_side == lr.verdicts["lr 1e-2"].direction
 if lr.results["lr 1e-2"].summary["device"] == "cpu":
     assert answer_side == "lower"        # measured on a CPU: the 10x rate gets further down in 8 steps
 # %% after: 04-16
-assert outside, "the 10x learning rate should leave the seed-noise band"
+assert outside, "the 10x learning rate should leave the init-noise band"
 lower, higher = [s for s in outside if diff[s] < 0], [s for s in outside if diff[s] > 0]
-# the side most out-of-band steps lie on (a tie: the side of the later one), not the side of the first
-way = "lower" if (len(lower), lower[-1:]) > (len(higher), higher[-1:]) else "higher"
+# the side of the mean difference, judged against the reference's and its reruns' means
+null = [0.0, *(lr.band.runs[c].mean() for c in lr.band.runs.columns)]
+way = "lower" if diff.reindex(band.index).mean() < np.mean(null) else "higher"
 mine = lower if way == "lower" else higher
 judged = int(diff.reindex(band.index).notna().sum())
-assert v.direction == way and f"loss {way} than lr 1e-3 beyond seed noise on {len(mine)} of {judged} steps" in v.text
+assert v.direction == way and f"loss {way} than lr 1e-3 beyond init noise (mean" in v.text
+assert f"outside the reruns' range on {len(mine)} of {judged} steps" in v.text
 # %% after: 04-18
 import html
 import re
