@@ -83,7 +83,7 @@ def cmd_compare(args) -> int:
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     cmp = compare(cfg, precisions=precisions, subset=args.subset, max_steps=args.max_steps,
                   repeats=args.repeats, callbacks=[ProgressBar(cfg.log_every, desc="compare")],
-                  seeds=args.seeds, aa=args.aa)
+                  seeds=args.seeds, aa=args.aa, band=args.band, rounding=args.rounding)
     print(cmp.format_table())
     if args.html:
         cmp.to_html(args.html)
@@ -176,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", type=_seeds, default=(),
                    help="e.g. 0,1,2: run the first precision again under the other seeds; their spread is the "
                         "noise band each precision's loss difference is judged against")
+    c.add_argument("--band", choices=("init", "data", "rounding"), default="init",
+                   help="what the reruns vary: init (other initial weights, the same batches; default), data (other "
+                        "batch orders and eval splits) or rounding (each initial weight moved by up to ±--rounding)")
+    c.add_argument("--rounding", type=float, default=2.0 ** -8,
+                   help="--band rounding's relative perturbation (default 2^-8, bf16's unit roundoff)")
     c.add_argument("--html", default=None, help="write a self-contained HTML report here")
     c.set_defaults(fn=cmd_compare)
 

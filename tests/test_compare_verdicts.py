@@ -373,6 +373,11 @@ def test_cli_compare_takes_seeds(tmp_path, capsys):
     assert re.search(r"noise band \(init noise: .*\): 'fp32' again under seed 1 .*seed runs 1: \d+\.\d s", out)
     with pytest.raises(SystemExit):
         main(["compare", str(cfg_path), "--seeds", "0,x"])
+    assert main(["compare", str(cfg_path), "--precisions", "fp32", "--seeds", "0,1", "--band", "rounding",
+                 "--rounding", "0.001"]) == 0
+    assert "rounding noise from reruns with each initial weight moved by up to ±0.001" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["compare", str(cfg_path), "--band", "seed"])
 
 
 def test_seeds_must_be_ints():

@@ -32,9 +32,8 @@ from .telemetry import device_memory_gib, host_rss_gib, reset_peak
 from .threads import spawn
 
 
-def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event] = None,
-         variant: Optional[str] = None, hash_init: bool = False, timing: Optional[str] = None,
-         perturb_init: Optional[tuple[float, int]] = None) -> TrainResult:
+def _run(cfg: TrainConfig, callbacks=None, stop_event: Optional[threading.Event] = None, variant: Optional[str] = None,
+         hash_init: bool = False, timing: Optional[str] = None, perturb_init=None) -> TrainResult:
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a TrainConfig, got {type(cfg).__name__}")
     stop_event = stop_event or threading.Event()

@@ -24,4 +24,4 @@ assert t.loc["fp16", "skipped_steps"] == len(skipped)
 if cmp.results["fp16"].summary["device"] == "cpu":   # exact on a CPU: the GradScaler's first scale, 65,536, overflowed, and the step was skipped
     assert t.loc["fp16", "skipped_steps"] == 1 and cmp.results["fp16"].history["scale"].iloc[-1] == 2.0**15
     assert skipped == [1] and finite
-assert t.loc["bf16", "skipped_steps"] == 0 and "reward margin within seed noise" in cmp.verdicts["bf16"].text
+assert t.loc["bf16", "skipped_steps"] == 0 and "reward margin within init noise" in cmp.verdicts["bf16"].text
