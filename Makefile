@@ -56,7 +56,8 @@ test-fast: setup
 # beside the checkout (marker `repo_notebooks`) are for make lock and make upgrade-check.
 test-course: setup
 	@$(FRESH_CACHES) $(BIN)/python -m pytest -q -n 2 --dist load --durations=0 -m course \
-		tests/test_notebook_alone.py tests/test_notebooks_devices.py tests/e2e/test_browser.py
+		tests/test_notebook_alone.py tests/test_notebooks_devices.py tests/e2e/test_browser.py \
+		tests/e2e/test_browser_results.py tests/e2e/test_browser_layout.py tests/e2e/test_browser_first_point.py
 
 lab: setup
 	$(BIN)/python -m jupyter lab notebooks/
